@@ -1,0 +1,1 @@
+"""bpo_jax: Branching Policy Optimization for language agents in snapshottable sandboxes."""

@@ -1,0 +1,1 @@
+"""Environments behind one protocol (see envs/base.py)."""

@@ -1,0 +1,43 @@
+r"""Launcher: `python -m bpo_jax.main --config=experiments/alfworld.py:cpu --workdir=runs/x`.
+
+Intentionally tiny: flags and global switches here, the logic in `bpo_jax.train`, which the
+tests import too. Multi-host (TPU VM slices): every host runs this same command; JAX's runtime
+is initialised from the TPU environment when `--multihost` is set (see launch_tpu.sh).
+"""
+
+import logging
+
+import jax
+from absl import app, flags
+from ml_collections import config_flags
+
+from bpo_jax import train
+
+FLAGS = flags.FLAGS
+config_flags.DEFINE_config_file("config", None, "Experiment config file.", lock_config=True)
+flags.DEFINE_string("workdir", None, "Directory for checkpoints, metrics and the summary.")
+flags.DEFINE_bool("multihost", False, "Call jax.distributed.initialize() (one process per host).")
+flags.mark_flags_as_required(["config", "workdir"])
+
+
+def main(argv):
+  if len(argv) > 1:
+    raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
+  if FLAGS.multihost:
+    jax.distributed.initialize()
+  logging.getLogger().setLevel(logging.INFO)
+  logging.info("JAX %s on %d %s device(s), process %d of %d", jax.__version__,
+               jax.device_count(), jax.default_backend(), jax.process_index(),
+               jax.process_count())
+  summary = train.train_and_evaluate(FLAGS.config, FLAGS.workdir)
+  print("Evaluation success (greedy, {} {} tasks): initial {} | before RL {} | after RL {}".format(
+      summary["eval_tasks"], summary["eval_split"], _fmt(summary["success_initial"]),
+      _fmt(summary["success_before_rl"]), _fmt(summary["success_after_rl"])), flush=True)
+
+
+def _fmt(x):
+  return "n/a" if x is None else f"{x:.3f}"
+
+
+if __name__ == "__main__":
+  app.run(main)

@@ -1,0 +1,206 @@
+"""Metric logging to a JSON-lines file and TensorBoard, and a progress bar for long loops.
+
+`metrics.jsonl` is the record of truth: one line per `MetricWriter.write`, flushed at once, so a
+killed run keeps everything it logged and plotting scripts need nothing but `read_metrics`.
+TensorBoard is a convenience view of the same scalars.
+"""
+
+from __future__ import annotations
+
+import json
+import numbers
+import sys
+import time
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from types import TracebackType
+from typing import Any, TypeVar
+
+import numpy as np
+import tqdm
+
+METRICS_FILE = "metrics.jsonl"
+TB_DIR = "tb"
+_RESERVED = ("step", "time")
+
+T = TypeVar("T")
+
+
+def _to_python_scalar(name: str, value: Any) -> int | float:
+    """Returns a Python int (integers, bools) or float for a Python/NumPy/JAX scalar."""
+    if isinstance(value, bool):
+        return int(value)
+    if isinstance(value, numbers.Integral):
+        return int(value)
+    if isinstance(value, numbers.Real):
+        return float(value)
+    shape = getattr(value, "shape", None)
+    if shape is None:
+        raise TypeError(
+            f"metric {name!r} must be a number or a scalar array, got {type(value).__name__} "
+            f"{value!r}."
+        )
+    if tuple(shape) != ():
+        raise ValueError(
+            f"metric {name!r} must be a scalar, got an array of shape {tuple(shape)}; reduce it "
+            "(e.g. .mean()) or log its elements under separate names."
+        )
+    # Works for NumPy and JAX scalars alike (a JAX value is fetched from the device here).
+    arr = np.asarray(value)
+    if arr.dtype == np.bool_ or np.issubdtype(arr.dtype, np.integer):
+        return int(arr)
+    if np.issubdtype(arr.dtype, np.floating):
+        return float(arr)
+    raise TypeError(f"metric {name!r} has non-numeric dtype {arr.dtype}; log numbers only.")
+
+
+class MetricWriter:
+    """Appends metrics to `<workdir>/metrics.jsonl` and, optionally, TensorBoard.
+
+    Resuming a run appends to the same file, so steps after the restored checkpoint can appear
+    twice; readers that want one value per step should keep the last line for each step.
+
+    Args:
+      workdir: Run directory; created if missing.
+      use_tensorboard: Also write scalars to `<workdir>/tb` with tensorboardX.
+      enabled: When False, every call is a no-op. Pass `jax.process_index() == 0` in
+        multi-host runs so only one process writes.
+
+    Example:
+      with MetricWriter(workdir) as writer:
+        writer.write(step, {"loss": loss, "reward/mean": reward.mean()})
+    """
+
+    def __init__(self, workdir: str | Path, use_tensorboard: bool = True, *, enabled: bool = True):
+        self.workdir = Path(workdir).expanduser().absolute()
+        self.enabled = enabled
+        self._file = None
+        self._tb = None
+        if not enabled:
+            return
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        self._file = (self.workdir / METRICS_FILE).open("a", encoding="utf-8")
+        if use_tensorboard:
+            # Imported here so runs without TensorBoard do not pay for protobuf at import time.
+            from tensorboardX import SummaryWriter
+
+            self._tb = SummaryWriter(str(self.workdir / TB_DIR))
+
+    def write(self, step: int, metrics: Mapping[str, Any]) -> None:
+        """Logs scalar metrics for one step.
+
+        Args:
+          step: The training step (any integer-like, including a JAX scalar).
+          metrics: Name -> Python/NumPy/JAX scalar. Integers stay integers, the rest become
+            floats; NaN/inf are written as JSON `NaN`/`Infinity`, which Python reads back.
+
+        Raises:
+          ValueError: If a value is not a scalar, or a name is "step" or "time".
+          TypeError: If a value is not numeric or a name is not a string.
+          RuntimeError: If the writer is closed.
+        """
+        if not self.enabled:
+            return
+        if self._file is None:
+            raise RuntimeError(f"MetricWriter for {self.workdir} is closed; make a new one.")
+        step_value = _to_python_scalar("step", step)
+        if not isinstance(step_value, int):
+            raise TypeError(f"step must be an integer, got {step!r}.")
+        record: dict[str, int | float] = {"step": step_value, "time": time.time()}
+        for name, value in metrics.items():
+            if not isinstance(name, str):
+                raise TypeError(f"metric names must be strings, got {name!r}.")
+            if name in _RESERVED:
+                raise ValueError(f"metric name {name!r} is reserved ({_RESERVED}); rename it.")
+            record[name] = _to_python_scalar(name, value)
+        self._file.write(json.dumps(record) + "\n")
+        self._file.flush()
+        if self._tb is not None:
+            for name, value in record.items():
+                if name not in _RESERVED:
+                    self._tb.add_scalar(name, value, global_step=step_value)
+            self._tb.flush()
+
+    def close(self) -> None:
+        """Flushes and closes the files; further writes raise."""
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+        if self._tb is not None:
+            self._tb.close()
+            self._tb = None
+
+    def __enter__(self) -> MetricWriter:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+
+def read_metrics(workdir: str | Path) -> list[dict[str, Any]]:
+    """Reads every record from `<workdir>/metrics.jsonl`, in file order.
+
+    A last line cut short by a kill mid-write is dropped; a malformed line anywhere else raises.
+
+    Args:
+      workdir: The run directory given to `MetricWriter`.
+
+    Returns:
+      One dict per logged step, each with "step" and "time" keys.
+
+    Raises:
+      FileNotFoundError: If there is no metrics file.
+      ValueError: If a line other than the last is not valid JSON.
+    """
+    path = Path(workdir).expanduser().absolute() / METRICS_FILE
+    if not path.is_file():
+        raise FileNotFoundError(f"no metrics file at {path}; was MetricWriter given {workdir}?")
+    lines = path.read_text(encoding="utf-8").splitlines()
+    records = []
+    for i, line in enumerate(lines):
+        if not line.strip():
+            continue
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError as e:
+            if i == len(lines) - 1:
+                break
+            raise ValueError(f"{path} line {i + 1} is not valid JSON ({e}): {line[:200]!r}") from e
+    return records
+
+
+def progress(
+    iterable_or_total: Iterable[T] | int,
+    desc: str | None = None,
+    *,
+    force: bool = False,
+    **tqdm_kwargs: Any,
+) -> tqdm.tqdm:
+    """A tqdm progress bar on stderr, silent when stderr is not a terminal.
+
+    Log files and CI output stay free of carriage-return spam unless `force=True`.
+
+    Args:
+      iterable_or_total: What to iterate over, or the total count for a bar advanced by hand
+        with `.update(n)`.
+      desc: Label shown before the bar.
+      force: Show the bar even when stderr is not a TTY.
+      **tqdm_kwargs: Passed on to `tqdm.tqdm` (e.g. `unit="episode"`).
+
+    Returns:
+      The tqdm bar; iterate over it, or call `.update()` and `.close()` (or use `with`).
+    """
+    disable = not (force or sys.stderr.isatty())
+    kwargs: dict[str, Any] = {"desc": desc, "file": sys.stderr, "disable": disable}
+    kwargs.update(tqdm_kwargs)
+    if isinstance(iterable_or_total, numbers.Integral):
+        total = int(iterable_or_total)
+        if total < 0:
+            raise ValueError(f"progress total must be >= 0, got {total}.")
+        return tqdm.tqdm(total=total, **kwargs)
+    return tqdm.tqdm(iterable_or_total, **kwargs)

@@ -1,0 +1,241 @@
+"""Logical-axis sharding: spec rules, mesh construction, and a sharded model on 8 CPU devices.
+
+The 8-device check runs in a fresh interpreter, because the device count must be set before JAX
+initialises and pytest's process has already initialised it with one CPU device.
+"""
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import jax
+import pytest
+from jax.sharding import AbstractMesh, AxisType, PartitionSpec
+
+from bpo_jax.models import sharding
+
+MESH_128 = AbstractMesh((1, 2, 4), sharding.MESH_AXES)
+
+# ----------------------------------------------------------------------------- logical_to_spec
+
+
+def test_spec_without_shape_follows_rules():
+    spec = sharding.logical_to_spec(("embed", "heads", "head_dim"))
+    assert spec == PartitionSpec("fsdp", "tensor", None)
+
+
+def test_mesh_axis_is_used_once():
+    # batch takes (data, fsdp); embed also maps to fsdp but may not reuse it.
+    spec = sharding.logical_to_spec(("batch", "length", "embed"), (4, 8, 64), MESH_128)
+    assert spec == PartitionSpec(("data", "fsdp"), None, None)
+
+
+def test_indivisible_dimension_is_replicated():
+    # 2 KV heads over tensor=4: replicated rather than an invalid sharding.
+    spec = sharding.logical_to_spec(("embed", "kv_heads", "head_dim"), (64, 2, 16), MESH_128)
+    assert spec == PartitionSpec("fsdp", None, None)
+    spec = sharding.logical_to_spec(("vocab", "embed"), (1001, 63), MESH_128)
+    assert spec == PartitionSpec(None, None)
+
+
+def test_partly_divisible_dimension_keeps_the_axes_that_divide():
+    # A batch of 3 divides data=1 but not data*fsdp=2.
+    spec = sharding.logical_to_spec(("batch", None), (3, 5), MESH_128)
+    assert spec == PartitionSpec("data", None)
+
+
+def test_unknown_logical_axis_is_an_error():
+    with pytest.raises(ValueError, match="'experts' has no sharding rule"):
+        sharding.logical_to_spec(("embed", "experts"))
+
+
+def test_custom_rules_by_argument_and_context():
+    rules = (("embed", None), ("mlp", ("fsdp", "tensor")))
+    spec = sharding.logical_to_spec(("embed", "mlp"), (64, 128), MESH_128, rules=rules)
+    assert spec == PartitionSpec(None, ("fsdp", "tensor"))
+    with sharding.axis_rules([("embed", "tensor"), ("mlp", ["data", "fsdp"])]):
+        spec = sharding.logical_to_spec(("embed", "mlp"))
+    assert spec == PartitionSpec("tensor", ("data", "fsdp"))
+    assert sharding.current_rules() == sharding.DEFAULT_RULES
+
+
+def test_constrain_is_identity_outside_a_mesh():
+    x = jax.numpy.ones((2, 3))
+    assert sharding.constrain(x, ("batch", "embed")) is x
+
+
+# ----------------------------------------------------------------------------- make_mesh
+
+
+def test_make_mesh_axes_are_auto():
+    mesh = sharding.make_mesh({"data": -1})
+    assert mesh.axis_names == sharding.MESH_AXES
+    assert dict(mesh.shape) == {"data": len(jax.devices()), "fsdp": 1, "tensor": 1}
+    assert all(t == AxisType.Auto for t in mesh.axis_types)
+
+
+@pytest.mark.parametrize(
+    "shape, match",
+    [
+        ({"model": 1}, "Unknown mesh axes"),
+        ((1, 1), "must have 3 entries"),
+        ((-1, -1, 1), "At most one mesh axis may be -1"),
+        ((1, 2, 1), "needs 2 devices"),
+        ((2, -1, 1), "cannot be split"),
+    ],
+)
+def test_make_mesh_errors(shape, match):
+    with pytest.raises(ValueError, match=match):
+        sharding.make_mesh(shape, devices=jax.devices()[:1])
+
+
+# ----------------------------------------------------------------------------- 8 CPU devices
+
+_SHARDED_SCRIPT = textwrap.dedent(
+    """
+    import json, os, sys, tempfile
+
+    import jax
+    jax.config.update("jax_num_cpu_devices", 8)
+    import numpy as np
+    from flax import nnx
+    from safetensors.numpy import save_file
+
+    from bpo_jax.models import config, factory, hf_import, llama, sharding
+
+    assert len(jax.devices()) == 8, jax.devices()
+    cfg = config.tiny(vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=1,
+                      num_heads=4, num_kv_heads=4, tie_embeddings=False)
+    mesh = sharding.make_mesh((1, 2, 4))
+    model = factory.create_model(cfg, mesh=mesh, seed=0)
+
+    def layout(x):
+        return {"devices": len(x.sharding.device_set), "shape": list(x.shape),
+                "shard": list(x.addressable_shards[0].data.shape), "spec": str(x.sharding.spec)}
+
+    def max_diff(a, b):
+        diffs = jax.tree.map(lambda x, y: float(np.max(np.abs(np.asarray(x) - np.asarray(y)))),
+                             nnx.state(a, nnx.Param), nnx.state(b, nnx.Param))
+        return max(jax.tree.leaves(diffs))
+
+    attn, mlp = model.layers[0].self_attn, model.layers[0].mlp
+    out = {"layouts": {
+        "q_proj": layout(attn.q_proj[...]), "k_proj": layout(attn.k_proj[...]),
+        "gate_proj": layout(mlp.gate_proj[...]), "down_proj": layout(mlp.down_proj[...]),
+        "embed_tokens": layout(model.embed_tokens[...]), "lm_head": layout(model.lm_head[...]),
+    }}
+
+    # 2 KV heads do not divide tensor=4: k_proj's heads are replicated, its embed still sharded.
+    _, abstract_state = nnx.split(factory.abstract_model(cfg.replace(num_kv_heads=2)))
+    specs = factory.param_specs(abstract_state, mesh)
+    out["kv2_k_proj_spec"] = str(specs["layers"][0]["self_attn"]["k_proj"].get_value().spec)
+
+    # The same seed without a mesh gives the same parameters.
+    plain = factory.create_model(cfg, seed=0)
+    out["init_diff"] = max_diff(plain, model)
+
+    # Reference: the very same parameter values, gathered onto one device.
+    graphdef, state = nnx.split(model)
+    one = jax.devices()[0]
+    reference = nnx.merge(graphdef, jax.tree.map(lambda x: jax.device_put(x, one), state))
+    tokens = jax.random.randint(jax.random.key(1), (4, 16), 0, cfg.vocab_size)
+    forward = nnx.jit(lambda m, t: m(t)[0])
+    want = np.asarray(forward(reference, tokens))
+
+    with jax.set_mesh(mesh):
+        got = forward(model, tokens)
+    out["logits_devices"] = len(got.sharding.device_set)
+    out["forward_diff"] = float(np.max(np.abs(np.asarray(got) - want)))
+
+    # Cached path under the mesh: prefill 10 tokens, then decode the rest one at a time.
+    @nnx.jit
+    def step(m, t, cache):
+        return m(t, cache=cache)
+
+    with jax.set_mesh(mesh):
+        cache = llama.init_cache(cfg, 4, capacity=16)
+        pieces = []
+        logits, cache = step(model, tokens[:, :10], cache)
+        pieces.append(np.asarray(logits))
+        for i in range(10, 16):
+            logits, cache = step(model, tokens[:, i:i + 1], cache)
+            pieces.append(np.asarray(logits))
+    out["cache_diff"] = float(np.max(np.abs(np.concatenate(pieces, axis=1) - want)))
+
+    # A Hugging Face checkpoint loads sharded on arrival, with the same values.
+    with tempfile.TemporaryDirectory() as tmp:
+        save_file(hf_import.export_hf_state_dict(model), os.path.join(tmp, "model.safetensors"))
+        hf_config = {
+            "model_type": "qwen2", "vocab_size": cfg.vocab_size, "hidden_size": cfg.hidden_size,
+            "intermediate_size": cfg.intermediate_size, "num_hidden_layers": cfg.num_layers,
+            "num_attention_heads": cfg.num_heads, "num_key_value_heads": cfg.num_kv_heads,
+            "rope_theta": cfg.rope_theta, "rms_norm_eps": cfg.rms_norm_eps,
+            "tie_word_embeddings": False, "max_position_embeddings": 64, "dtype": "float32"}
+        with open(os.path.join(tmp, "config.json"), "w") as fh:
+            json.dump(hf_config, fh)
+        _, loaded = hf_import.load_hf_checkpoint(tmp, mesh=mesh)
+    q = loaded.layers[0].self_attn.q_proj[...]
+    out["loaded_q_proj"] = layout(q)
+    out["load_diff"] = max_diff(loaded, model)
+    print("RESULT " + json.dumps(out))
+    """
+)
+
+
+@pytest.fixture(scope="module")
+def sharded_run():
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    proc = subprocess.run(
+        [sys.executable, "-c", _SHARDED_SCRIPT],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    assert len(lines) == 1, proc.stdout[-4000:]
+    return json.loads(lines[0][len("RESULT ") :])
+
+
+def test_parameters_are_created_sharded(sharded_run):
+    layouts = sharded_run["layouts"]
+    expected_shards = {
+        "q_proj": [32, 1, 16],  # [D, H, E] over (fsdp, tensor, -)
+        "k_proj": [32, 1, 16],
+        "gate_proj": [32, 32],  # [D, F] over (fsdp, tensor)
+        "down_proj": [32, 32],  # [F, D] over (tensor, fsdp)
+        "embed_tokens": [64, 32],  # [V, D] over (tensor, fsdp)
+        "lm_head": [32, 64],  # [D, V] over (fsdp, tensor)
+    }
+    for name, shard in expected_shards.items():
+        layout = layouts[name]
+        assert layout["devices"] == 8, (name, layout)
+        assert layout["shard"] == shard, (name, layout)
+        assert layout["shard"] != layout["shape"], (name, layout)
+
+
+def test_indivisible_heads_are_replicated(sharded_run):
+    assert sharded_run["kv2_k_proj_spec"] == str(PartitionSpec("fsdp", None, None))
+
+
+def test_sharded_init_matches_unsharded_init(sharded_run):
+    assert sharded_run["init_diff"] < 1e-6
+
+
+def test_sharded_forward_matches_single_device(sharded_run):
+    assert sharded_run["logits_devices"] == 8
+    assert sharded_run["forward_diff"] < 1e-5
+
+
+def test_sharded_cached_decode_matches_single_device(sharded_run):
+    assert sharded_run["cache_diff"] < 1e-5
+
+
+def test_checkpoint_loads_sharded(sharded_run):
+    assert sharded_run["loaded_q_proj"]["devices"] == 8
+    assert sharded_run["loaded_q_proj"]["shard"] == [32, 1, 16]
+    assert sharded_run["loaded_q_proj"]["spec"] == sharded_run["layouts"]["q_proj"]["spec"]
+    assert sharded_run["load_diff"] == 0.0

@@ -1,0 +1,36 @@
+"""ALFWorld household text games (Shridhar et al., ICLR 2021), registered as env "alfworld".
+
+Example:
+    from envs.alfworld import load_tasks
+    from envs.base import make_env
+
+    tasks = load_tasks(None, "valid_unseen")  # data root from $ALFWORLD_DATA
+    env = make_env("alfworld", max_steps=50)
+    observation, info = env.reset(tasks[0])
+"""
+
+from envs.alfworld.data import (
+    DATA_ENV_VAR,
+    DEFAULT_DATA_ROOT,
+    SPLITS,
+    TASK_TYPES,
+    AlfworldTask,
+    load_tasks,
+    resolve_data_root,
+    task_type_of,
+)
+from envs.alfworld.env import NOTHING_HAPPENS, AlfworldEnv, normalize_action
+
+__all__ = [
+    "DATA_ENV_VAR",
+    "DEFAULT_DATA_ROOT",
+    "NOTHING_HAPPENS",
+    "SPLITS",
+    "TASK_TYPES",
+    "AlfworldEnv",
+    "AlfworldTask",
+    "load_tasks",
+    "normalize_action",
+    "resolve_data_root",
+    "task_type_of",
+]

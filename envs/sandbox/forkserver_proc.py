@@ -1,0 +1,287 @@
+"""Process side of the fork-server backend: `python -m envs.sandbox.forkserver_proc <fd>`.
+
+One process runs in one of three roles, switching roles only across `os.fork()`:
+- **zygote** (one per backend, started by the trainer): imports the environment's modules once,
+  then forks a fresh *worker* per new sandbox. It is the child subreaper of everything below it
+  and ignores SIGCHLD, so every descendant is reaped the moment it exits; when the trainer goes
+  away (end of file on its channel, or SIGTERM from PR_SET_PDEATHSIG) it kills them all.
+- **worker**: owns one environment and serves reset/step (see `envs.sandbox.worker`). `snapshot`
+  forks it: the child becomes a *frozen* copy of the env.
+- **frozen**: never touches the env; `spawn` forks it again and the child becomes a worker that
+  continues from the frozen state (copy-on-write, a few milliseconds), as often as asked.
+
+Every process talks to the trainer over its own unix socketpair; a new process's end arrives
+with the request that creates it (SCM_RIGHTS), so the trainer holds the other end before the
+process exists. Every worker and frozen copy leads its own process group, so that killing one
+sandbox (and any helper processes it started) never touches another. Each process exits when
+its channel closes.
+
+Only the calling process is copied by fork: a worker whose env has child processes (a shell, a
+server) refuses to snapshot, since the copy would share those children; use the CRIU backend.
+
+Copies are exact: Python's `random` module, which reseeds itself in every forked child, gets the
+parent's state back. The zygote's and frozen copies' heaps are `gc.freeze()`d, so that the cyclic
+collector does not write to (and so copy) every shared page in every worker.
+"""
+
+from __future__ import annotations
+
+import gc
+import importlib
+import os
+import signal
+import sys
+import time
+from typing import Any
+
+from envs.sandbox import procutil, wire, worker
+
+__all__ = ["main"]
+
+
+class _Become(BaseException):
+    """Raised in a freshly forked child to drop the parent's stack and take up a new role."""
+
+    def __init__(self, role: str, channel: worker.Channel, env: Any = None):
+        super().__init__(role)
+        self.role = role
+        self.channel = channel
+        self.env = env
+
+
+def _socket_channel(fd: int) -> worker.Channel:
+    return worker.Channel(fd, fd, want_fds=True)
+
+
+def _fork() -> int:
+    """os.fork(), keeping the child's `random` state equal to the parent's.
+
+    Python reseeds the `random` module in every forked child; a snapshot must not change the
+    state an env would have drawn its next random numbers from.
+    """
+    worker.flush_stdio()
+    rng = sys.modules.get("random")
+    state = rng.getstate() if rng is not None else None
+    pid = os.fork()
+    if pid == 0 and state is not None:
+        rng.setstate(state)
+    return pid
+
+
+def _claim_group(pid: int) -> None:
+    """Parent side of a fork: make the child lead its own group even if it has not yet."""
+    try:
+        os.setpgid(pid, pid)
+    except OSError:
+        pass  # The child got there first, or already exited.
+
+
+def _after_fork(parent_channel: worker.Channel, new_fd: int) -> worker.Channel:
+    """Common set-up of a forked child: own process group, own channel only."""
+    parent_channel.close()
+    _frozen_children.clear()  # The parent's children, not ours.
+    os.setpgid(0, 0)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    return _socket_channel(new_fd)
+
+
+# --- worker --------------------------------------------------------------------------------------
+
+
+# Frozen copies this worker forked: its children until they exit, then zombies until reaped
+# (a worker cannot ignore SIGCHLD: its env may wait for children of its own).
+_frozen_children: set[int] = set()
+
+
+def _reap_frozen_children() -> None:
+    for pid in list(_frozen_children):
+        try:
+            done, _ = os.waitpid(pid, os.WNOHANG)
+        except ChildProcessError:
+            done = pid
+        if done:
+            _frozen_children.discard(pid)
+
+
+def _op_snapshot(env: Any, channel: worker.Channel, args: tuple) -> int:
+    (fd,) = channel.reader.take_fds(1)
+    _reap_frozen_children()
+    children = [p for p in procutil.child_pids(os.getpid()) if p not in _frozen_children]
+    if children:
+        os.close(fd)
+        names = []
+        for pid in children[:5]:
+            try:
+                with open(f"/proc/{pid}/comm") as f:
+                    names.append(f"{pid} ({f.read().strip()})")
+            except OSError:
+                names.append(str(pid))
+        raise worker.Refused(
+            f"the {type(env).__name__} worker has child processes [{', '.join(names)}]; os.fork "
+            "copies only the worker, so the copies would share them. Use backend='criu', which "
+            "checkpoints the whole process tree."
+        )
+    pid = _fork()
+    if pid == 0:
+        channel = _after_fork(channel, fd)
+        raise _Become("frozen", channel, env)
+    _claim_group(pid)
+    _frozen_children.add(pid)
+    os.close(fd)
+    return pid
+
+
+def _run_worker(env: Any, channel: worker.Channel) -> None:
+    worker.reset_signals_for_worker()
+    worker.serve(env, channel, {"snapshot": _op_snapshot}, after_reply=_reap_frozen_children)
+
+
+# --- frozen copy ---------------------------------------------------------------------------------
+
+
+def _run_frozen(env: Any, channel: worker.Channel) -> None:
+    # Children (restored workers) are reaped by the kernel; a frozen copy never waits for them.
+    signal.signal(signal.SIGCHLD, signal.SIG_IGN)
+    # Keep the collector away from the copied heap: scanning it would write to (and so copy)
+    # every page of it in this process and in every worker forked from it.
+    gc.freeze()
+    while True:
+        try:
+            op, _ = channel.recv()
+        except (wire.PeerClosed, wire.ProtocolError, OSError):
+            os._exit(0)
+        if op == "spawn":
+            (fd,) = channel.reader.take_fds(1)
+            pid = _fork()
+            if pid == 0:
+                raise _Become("worker", _after_fork(channel, fd), env)
+            _claim_group(pid)
+            os.close(fd)
+            channel.send(("ok", pid))
+        elif op == "exit":
+            os._exit(0)
+        else:
+            channel.send(("refused", f"a frozen snapshot does not serve {op!r}"))
+
+
+# --- zygote --------------------------------------------------------------------------------------
+
+
+def _kill_descendants() -> None:
+    """SIGKILLs every process below this one (and their groups) until none is left (<= 5 s)."""
+    me, my_group = os.getpid(), os.getpgid(0)
+    deadline = time.monotonic() + 5.0
+    while time.monotonic() < deadline:
+        pids = procutil.descendant_pids(me)
+        if not pids:
+            return
+        for pid in pids:
+            try:
+                group = os.getpgid(pid)
+                if group != my_group:
+                    os.killpg(group, signal.SIGKILL)
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        time.sleep(0.01)
+
+
+def _run_zygote(channel: worker.Channel) -> None:
+    procutil.set_child_subreaper()
+    signal.signal(signal.SIGCHLD, signal.SIG_IGN)
+
+    def on_term(signum: int, frame: Any) -> None:
+        raise SystemExit(0)
+
+    signal.signal(signal.SIGTERM, on_term)
+    procutil.set_parent_death_signal(signal.SIGTERM)
+    if os.getppid() == 1:  # The trainer died before the line above.
+        raise SystemExit(0)
+
+    env_name: str | None = None
+    env_kwargs: dict[str, Any] = {}
+    try:
+        while True:
+            try:
+                op, args = channel.recv()
+            except (wire.PeerClosed, wire.ProtocolError, OSError):
+                return
+            if op == "init":
+                env_name, env_kwargs, preload = args
+                try:
+                    from envs.base import make_env
+
+                    # The preload list registers envs and imports what the env would otherwise
+                    # import on first use; a throwaway instance checks the configuration.
+                    for module in preload:
+                        importlib.import_module(module)
+                    make_env(env_name, **env_kwargs).close()
+                except Exception as e:  # noqa: BLE001 - reported to the trainer.
+                    channel.send(("refused", f"{type(e).__name__}: {e}"))
+                    continue
+                # The imported modules stay shared with every worker: keep the collector from
+                # writing to (and so copying) their pages in each of them.
+                gc.freeze()
+                channel.send(("ok", os.getpid()))
+            elif op == "spawn":
+                (fd,) = channel.reader.take_fds(1)
+                pid = _fork()
+                if pid == 0:
+                    raise _Become("worker", _after_fork(channel, fd), ("new", env_name, env_kwargs))
+                _claim_group(pid)
+                os.close(fd)
+                channel.send(("ok", pid))
+            elif op == "exit":
+                return
+            else:
+                channel.send(("refused", f"the zygote does not serve {op!r}"))
+    finally:
+        if os.getpid() == _zygote_pid:
+            # The trainer's death shows up twice: end of file, then SIGTERM (its death signal)
+            # a moment later. The second must not cut the clean-up short.
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
+            _kill_descendants()
+
+
+_zygote_pid = -1
+
+
+def main(argv: list[str]) -> None:
+    """Entry point: `argv[1]` is the fd of the zygote's end of its socketpair."""
+    global _zygote_pid
+    fd = int(argv[1])
+    worker.detach_stdio()
+    _zygote_pid = os.getpid()
+    role, channel, env = "zygote", _socket_channel(fd), None
+    while True:
+        try:
+            if role == "zygote":
+                _run_zygote(channel)
+            elif role == "worker":
+                if isinstance(env, tuple) and env and env[0] == "new":
+                    env = _make_env_or_report(channel, env[1], env[2])
+                _run_worker(env, channel)
+            else:
+                _run_frozen(env, channel)
+            break
+        except _Become as b:
+            role, channel, env = b.role, b.channel, b.env
+    os._exit(0)
+
+
+def _make_env_or_report(channel: worker.Channel, env_name: str, env_kwargs: dict) -> Any:
+    from envs.base import make_env
+
+    try:
+        return make_env(env_name, **env_kwargs)
+    except Exception as e:  # noqa: BLE001 - the first request gets the error, then we exit.
+        try:
+            channel.recv()
+            channel.send(("err", type(e).__name__, f"creating the env failed: {e}", ""))
+        except Exception:  # noqa: BLE001
+            pass
+        os._exit(1)
+
+
+if __name__ == "__main__":
+    main(sys.argv)

@@ -1,0 +1,309 @@
+"""Benchmark: the jitted KV-cache sampler against Hugging Face `generate` on the same weights.
+
+A small Qwen2 (about our `tiny` preset: width 128, 4 layers, vocabulary 1024, tied embeddings)
+is randomly initialised in PyTorch (float32), saved with `save_pretrained`, and loaded into our
+`Transformer` with `bpo_jax.models.hf_import.load_hf_checkpoint`; the two models' logits are
+compared before anything is timed. Both then sample 64 tokens for 16 prompts of 256 tokens at
+the same temperature (no top-k / top-p, no early stop: our `eos_ids=()`, HF `min_new_tokens`).
+
+Timed, after a warm-up call of each (compile time reported separately):
+  * ours: `prefill` and `generate`, each blocked on its result;
+  * HF: `generate(max_new_tokens=64)` and `generate(max_new_tokens=1)` (prefill + first token);
+    their difference is HF's decode time for the other 63 tokens.
+Decode tokens/s = B * (decode forward passes) / decode time; end-to-end tokens/s = B * 64 /
+(prefill + decode). The sides run in interleaved rounds and are summarised by the median,
+because this machine is shared. PyTorch gets as many threads as JAX's CPU client uses (the
+process's cores). HF is also timed with one thread: with two threads on a loaded machine
+PyTorch's OpenMP barriers can make it an order of magnitude slower, which would flatter us.
+
+Achieved FLOP/s of our decode counts 2 * (matmul parameters) per token plus attention
+(4 * layers * heads * head_dim * context per token, context = tokens attended); "executed" also
+counts the masked cache slots our attention computes over. The peak is the best float32 jnp
+matmul (2048^3) timed in each round of the same run.
+
+    .venv/bin/python bench/bench_sampler.py --json runs/bench_sampler.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import tempfile
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import torch
+import transformers
+from flax import nnx
+
+from bpo_jax.models.hf_import import load_hf_checkpoint
+from bpo_jax.models.llama import init_cache
+from bpo_jax.sampler import Sampler
+
+
+def parse_args():
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--batch", type=int, default=16)
+    p.add_argument("--prompt-len", type=int, default=256)
+    p.add_argument("--new-tokens", type=int, default=64)
+    p.add_argument("--temperature", type=float, default=1.0)
+    p.add_argument("--repeats", type=int, default=5, help="timed runs of each side")
+    p.add_argument(
+        "--hf-one-thread",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="also time HF with one torch thread (a sensitivity check on a loaded machine)",
+    )
+    p.add_argument("--json", type=str, default=None, help="write the results here")
+    return p.parse_args()
+
+
+def hf_config() -> transformers.Qwen2Config:
+    return transformers.Qwen2Config(
+        vocab_size=1024,
+        hidden_size=128,
+        intermediate_size=384,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=1024,
+        rope_theta=10_000.0,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=True,
+        use_sliding_window=False,
+    )
+
+
+def matmul_peak(n: int = 2048, repeats: int = 2) -> float:
+    """Best float32 FLOP/s of an n x n jnp matmul (the machine's practical peak)."""
+    a = jax.random.normal(jax.random.key(0), (n, n), jnp.float32)
+    f = jax.jit(lambda x: x @ x)
+    f(a).block_until_ready()
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        f(a).block_until_ready()
+        best = min(best, time.perf_counter() - start)
+    return 2 * n**3 / best
+
+
+def decode_flops(cfg, params, batch: int, prompt_len: int, steps: int, capacity: int):
+    """(useful, executed) FLOPs of `steps` decode forward passes over `batch` rows."""
+    matmul_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(params) if x.ndim >= 2)
+    if not cfg.tie_embeddings:  # the embedding is a lookup, not a matmul; lm_head is counted
+        matmul_params -= cfg.vocab_size * cfg.hidden_size
+    per_ctx = 4 * cfg.num_layers * cfg.num_heads * cfg.resolved_head_dim
+    # Step i feeds the token at position prompt_len + i, which attends to prompt_len + i + 1 keys.
+    ctx = np.arange(prompt_len + 1, prompt_len + steps + 1)
+    useful = batch * (2 * matmul_params * steps + per_ctx * ctx.sum())
+    executed = batch * steps * (2 * matmul_params + per_ctx * capacity)
+    return float(useful), float(executed), matmul_params
+
+
+def main():
+    args = parse_args()
+    b, p, n = args.batch, args.prompt_len, args.new_tokens
+    threads = len(os.sched_getaffinity(0))
+    torch.set_num_threads(threads)
+    load_start = os.getloadavg()
+
+    # ---------------------------------------------------------------- same weights on both sides
+    torch.manual_seed(0)
+    hf = transformers.Qwen2ForCausalLM(hf_config()).to(torch.float32).eval()
+    with tempfile.TemporaryDirectory() as tmp:
+        hf.save_pretrained(tmp)
+        cfg, model = load_hf_checkpoint(tmp, max_seq_len=p + n)
+    graphdef, params = nnx.split(model)
+    prompts = np.random.default_rng(0).integers(0, cfg.vocab_size, (b, p), dtype=np.int64)
+
+    with torch.inference_mode():
+        ref = hf(torch.from_numpy(prompts[:2])).logits.numpy()
+    ours = np.asarray(model(jnp.asarray(prompts[:2], jnp.int32))[0])
+    parity = float(np.abs(ours - ref).max())
+    if parity > 1e-3:
+        raise SystemExit(f"Our model disagrees with HF on the same weights: max |dlogit| {parity}")
+
+    # ---------------------------------------------------------------- ours
+    capacity = p + n
+    sampler = Sampler(
+        graphdef, eos_ids=(), pad_id=0, max_new_tokens=n, temperature=args.temperature
+    )
+
+    def ours_run(seed):
+        cache = jax.block_until_ready(init_cache(cfg, b, capacity))
+        start = time.perf_counter()
+        state = sampler.prefill(params, cache, prompts)
+        jax.block_until_ready(state.last_logits)
+        mid = time.perf_counter()
+        out = sampler.generate(params, state, jax.random.key(seed))  # returns host arrays
+        end = time.perf_counter()
+        if out.tokens.shape != (b, n) or out.num_generated != b * n:
+            raise SystemExit(f"Our sampler generated {out.num_generated} tokens, not {b * n}.")
+        return mid - start, end - mid, out.num_steps
+
+    # ---------------------------------------------------------------- Hugging Face
+    input_ids = torch.from_numpy(prompts)
+    attention_mask = torch.ones_like(input_ids)
+
+    def hf_generate(num_new):
+        with torch.inference_mode():
+            out = hf.generate(
+                input_ids,
+                attention_mask=attention_mask,
+                do_sample=True,
+                temperature=args.temperature,
+                top_k=0,
+                top_p=1.0,
+                max_new_tokens=num_new,
+                min_new_tokens=num_new,
+                pad_token_id=0,
+            )
+        if out.shape != (b, p + num_new):
+            raise SystemExit(f"HF generated shape {tuple(out.shape)}, not {(b, p + num_new)}.")
+
+    def hf_run():
+        start = time.perf_counter()
+        hf_generate(n)
+        full = time.perf_counter() - start
+        start = time.perf_counter()
+        hf_generate(1)
+        return full, time.perf_counter() - start
+
+    # ---------------------------------------------------------------- warm-up, then interleave
+    warm_prefill, warm_decode, _ = ours_run(0)
+    hf_warm_full, _ = hf_run()
+    matmul_peak(repeats=1)
+    rows = {"ours": [], "hf": [], "hf_one_thread": []}
+    peaks = []
+    for r in range(args.repeats):
+        # Every side runs once per round, so a burst of load from other processes hits all.
+        rows["ours"].append(ours_run(r + 1))
+        rows["hf"].append(hf_run())
+        if args.hf_one_thread:
+            torch.set_num_threads(1)
+            rows["hf_one_thread"].append(hf_run())
+            torch.set_num_threads(threads)
+        peaks.append(matmul_peak(repeats=2))
+        print(
+            f"round {r + 1}/{args.repeats}: ours prefill/decode "
+            f"{rows['ours'][-1][0]:.3f}/{rows['ours'][-1][1]:.3f} s, HF generate(64)/(1) "
+            f"{rows['hf'][-1][0]:.3f}/{rows['hf'][-1][1]:.3f} s",
+            flush=True,
+        )
+    hf_one = rows.pop("hf_one_thread") or None
+    peak = max(peaks)
+    load_end = os.getloadavg()
+
+    med = statistics.median
+    o_prefill = med(t[0] for t in rows["ours"])
+    o_decode = med(t[1] for t in rows["ours"])
+    steps = rows["ours"][0][2]
+    h_full = med(t[0] for t in rows["hf"])
+    h_decode = med(t[0] - t[1] for t in rows["hf"])
+    ours_decode_tps = b * steps / o_decode
+    hf_decode_tps = b * (n - 1) / h_decode
+    useful, executed, matmul_params = decode_flops(cfg, params, b, p, steps, capacity)
+    results = {
+        "setup": {
+            "batch": b,
+            "prompt_len": p,
+            "new_tokens": n,
+            "temperature": args.temperature,
+            "repeats": args.repeats,
+            "threads": threads,
+            "torch_threads": threads,
+            "model": {
+                "vocab": cfg.vocab_size,
+                "hidden": cfg.hidden_size,
+                "layers": cfg.num_layers,
+                "heads": cfg.num_heads,
+                "kv_heads": cfg.num_kv_heads,
+                "tied": cfg.tie_embeddings,
+                "matmul_params": matmul_params,
+            },
+            "parity_max_abs_logit_diff": parity,
+            "jax": jax.__version__,
+            "torch": torch.__version__,
+            "transformers": transformers.__version__,
+            "cpu": platform.processor() or platform.machine(),
+            "loadavg_start": load_start,
+            "loadavg_end": load_end,
+        },
+        "ours": {
+            "prefill_s": o_prefill,
+            "decode_s": o_decode,
+            "decode_steps": steps,
+            "decode_tokens_per_s": ours_decode_tps,
+            "end_to_end_tokens_per_s": b * n / (o_prefill + o_decode),
+            "compile_prefill_s": warm_prefill - o_prefill,
+            "compile_generate_s": warm_decode - o_decode,
+            "decode_useful_flops_per_s": useful / o_decode,
+            "decode_executed_flops_per_s": executed / o_decode,
+            "decode_useful_fraction_of_peak": useful / o_decode / peak,
+            "decode_executed_fraction_of_peak": executed / o_decode / peak,
+        },
+        "hf": {
+            "generate_s": h_full,
+            "prefill_and_first_token_s": med(t[1] for t in rows["hf"]),
+            "decode_s": h_decode,
+            "decode_tokens_per_s": hf_decode_tps,
+            "end_to_end_tokens_per_s": b * n / h_full,
+            "warmup_generate_s": hf_warm_full,
+        },
+        "decode_speedup": ours_decode_tps / hf_decode_tps,
+        "end_to_end_speedup": (b * n / (o_prefill + o_decode)) / (b * n / h_full),
+        "matmul_peak_flops_per_s": peak,
+        "raw_s": rows,
+    }
+    if hf_one is not None:
+        one_decode = med(t[0] - t[1] for t in hf_one)
+        results["hf_one_thread"] = {
+            "decode_tokens_per_s": b * (n - 1) / one_decode,
+            "end_to_end_tokens_per_s": b * n / med(t[0] for t in hf_one),
+        }
+        results["raw_s"]["hf_one_thread"] = hf_one
+        results["decode_speedup_vs_hf_one_thread"] = ours_decode_tps / (b * (n - 1) / one_decode)
+
+    print()
+    print(
+        f"batch {b}, prompt {p}, {n} new tokens, {threads} CPU threads each, median of "
+        f"{args.repeats}; load average {load_start[0]:.1f} -> {load_end[0]:.1f}"
+    )
+    print(f"{'':28}{'decode tok/s':>14}{'end-to-end tok/s':>18}{'compile s':>11}")
+    print(
+        f"{'ours (jitted sampler)':28}{ours_decode_tps:14.0f}"
+        f"{results['ours']['end_to_end_tokens_per_s']:18.0f}"
+        f"{results['ours']['compile_prefill_s'] + results['ours']['compile_generate_s']:11.1f}"
+    )
+    print(
+        f"{'HF generate (torch)':28}{hf_decode_tps:14.0f}"
+        f"{results['hf']['end_to_end_tokens_per_s']:18.0f}{'-':>11}"
+    )
+    if hf_one is not None:
+        print(
+            f"{'HF generate, 1 thread':28}{results['hf_one_thread']['decode_tokens_per_s']:14.0f}"
+            f"{results['hf_one_thread']['end_to_end_tokens_per_s']:18.0f}{'-':>11}"
+        )
+    print(
+        f"decode speedup {results['decode_speedup']:.1f}x (target >= 3x), end-to-end "
+        f"{results['end_to_end_speedup']:.1f}x"
+    )
+    print(
+        f"our decode: {useful / o_decode / 1e9:.2f} GFLOP/s useful "
+        f"({100 * results['ours']['decode_useful_fraction_of_peak']:.1f}% of the "
+        f"{peak / 1e9:.1f} GFLOP/s matmul peak), {executed / o_decode / 1e9:.2f} GFLOP/s executed"
+    )
+    print(json.dumps({k: v for k, v in results.items() if k != "raw_s"}, indent=1))
+    if args.json:
+        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+        with open(args.json, "w") as fh:
+            json.dump(results, fh, indent=1)
+
+
+if __name__ == "__main__":
+    main()

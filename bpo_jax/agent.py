@@ -24,73 +24,75 @@ _GOAL_RE = re.compile(r"Your task is to:\s*(.*?)(?:\n|$)")
 
 @dataclasses.dataclass
 class EpisodeText:
-  """The text an agent has seen in one episode."""
+    """The text an agent has seen in one episode."""
 
-  goal: str
-  room: str
-  turns: list[tuple[str, str]] = dataclasses.field(default_factory=list)  # (observation, action)
-  current: str = ""
+    goal: str
+    room: str
+    turns: list[tuple[str, str]] = dataclasses.field(default_factory=list)  # (observation, action)
+    current: str = ""
 
-  @classmethod
-  def start(cls, first_observation: str, goal: str | None = None) -> EpisodeText:
-    """Splits an ALFWorld-style first observation into the room description and the goal."""
-    text = first_observation.strip()
-    if goal is None:
-      m = _GOAL_RE.search(text)
-      goal = m.group(1).strip() if m else ""
-    room = _GOAL_RE.sub("", text).strip()
-    return cls(goal=goal, room=room, turns=[], current="")
+    @classmethod
+    def start(cls, first_observation: str, goal: str | None = None) -> EpisodeText:
+        """Splits an ALFWorld-style first observation into the room description and the goal."""
+        text = first_observation.strip()
+        if goal is None:
+            m = _GOAL_RE.search(text)
+            goal = m.group(1).strip() if m else ""
+        goal = re.sub(r"^Your task is to:\s*", "", goal.strip())
+        room = _GOAL_RE.sub("", text).strip()
+        return cls(goal=goal, room=room, turns=[], current="")
 
-  def record(self, action: str, observation: str) -> None:
-    """Appends the action taken on the current observation and the observation it produced."""
-    self.turns.append((self.current, action))
-    self.current = observation.strip()
+    def record(self, action: str, observation: str) -> None:
+        """Appends the action taken on the current observation and the observation it produced."""
+        self.turns.append((self.current, action))
+        self.current = observation.strip()
 
 
 def _clean(text: str) -> str:
-  return " ".join(text.split())
+    return " ".join(text.split())
 
 
 def build_prompt(ep: EpisodeText, history_turns: int) -> list[str]:
-  """Returns the prompt as a list of text pieces, oldest first (for budgeted truncation)."""
-  head = f"<task> {_clean(ep.goal)} <room> {_clean(ep.room)}"
-  turns = ep.turns[-history_turns:] if history_turns > 0 else []
-  pieces = [head]
-  for obs, act in turns:
-    obs_part = f" <obs> {_clean(obs)}" if obs else ""
-    pieces.append(f"{obs_part} <act> {_clean(act)} </act>")
-  current = f" <obs> {_clean(ep.current)}" if ep.current else ""
-  pieces.append(f"{current} <act>")
-  return pieces
+    """Returns the prompt as a list of text pieces, oldest first (for budgeted truncation)."""
+    head = f"<task> {_clean(ep.goal)} <room> {_clean(ep.room)}"
+    turns = ep.turns[-history_turns:] if history_turns > 0 else []
+    pieces = [head]
+    for obs, act in turns:
+        obs_part = f" <obs> {_clean(obs)}" if obs else ""
+        pieces.append(f"{obs_part} <act> {_clean(act)} </act>")
+    current = f" <obs> {_clean(ep.current)}" if ep.current else ""
+    pieces.append(f"{current} <act>")
+    return pieces
 
 
-def encode_prompt(tokenizer, ep: EpisodeText, history_turns: int, max_tokens: int,
-                  add_bos: bool = True) -> list[int]:
-  """Tokenises the prompt within `max_tokens`, dropping the oldest context first."""
-  pieces = build_prompt(ep, history_turns)
-  ids = [tokenizer.encode(p) for p in pieces]
-  bos = [tokenizer.bos_id] if add_bos and tokenizer.bos_id is not None else []
-  head, middle, tail = ids[0], ids[1:-1], ids[-1]
-  while middle and len(bos) + len(head) + sum(map(len, middle)) + len(tail) > max_tokens:
-    middle = middle[1:]
-  budget_head = max_tokens - len(bos) - sum(map(len, middle)) - len(tail)
-  if budget_head < len(head):
-    head = head[:max(budget_head, 0)]
-  out = bos + head + [t for m in middle for t in m] + tail
-  if len(out) > max_tokens:
-    # Even the current observation alone is too long: keep its end, where the action cue is.
-    out = out[-max_tokens:]
-  return out
+def encode_prompt(
+    tokenizer, ep: EpisodeText, history_turns: int, max_tokens: int, add_bos: bool = True
+) -> list[int]:
+    """Tokenises the prompt within `max_tokens`, dropping the oldest context first."""
+    pieces = build_prompt(ep, history_turns)
+    ids = [tokenizer.encode(p) for p in pieces]
+    bos = [tokenizer.bos_id] if add_bos and tokenizer.bos_id is not None else []
+    head, middle, tail = ids[0], ids[1:-1], ids[-1]
+    while middle and len(bos) + len(head) + sum(map(len, middle)) + len(tail) > max_tokens:
+        middle = middle[1:]
+    budget_head = max_tokens - len(bos) - sum(map(len, middle)) - len(tail)
+    if budget_head < len(head):
+        head = head[: max(budget_head, 0)]
+    out = bos + head + [t for m in middle for t in m] + tail
+    if len(out) > max_tokens:
+        # Even the current observation alone is too long: keep its end, where the action cue is.
+        out = out[-max_tokens:]
+    return out
 
 
 def parse_action(text: str) -> str | None:
-  """Extracts the action from generated text; None if there is none.
+    """Extracts the action from generated text; None if there is none.
 
-  The action is the text up to the first `</act>`, newline or tag; tags the model echoes are
-  dropped. Returns None for empty or whitespace-only output, which the environment treats as an
-  invalid action.
-  """
-  text = text.split("</act>", 1)[0].split("\n", 1)[0]
-  text = re.split(r"<(?:task|room|obs|act)>", text, maxsplit=1)[0]
-  text = _clean(text).strip().rstrip(".")
-  return text or None
+    The action is the text up to the first `</act>`, newline or tag; tags the model echoes are
+    dropped. Returns None for empty or whitespace-only output, which the environment treats as an
+    invalid action.
+    """
+    text = text.split("</act>", 1)[0].split("\n", 1)[0]
+    text = re.split(r"<(?:task|room|obs|act)>", text, maxsplit=1)[0]
+    text = _clean(text).strip().rstrip(".")
+    return text or None

@@ -22,192 +22,237 @@ from flax import nnx
 
 @flax.struct.dataclass
 class TrainState:
-  """Everything an update changes: parameters, optimizer state and the update counter."""
+    """Everything an update changes: parameters, optimizer state and the update counter."""
 
-  params: nnx.State
-  opt_state: optax.OptState
-  step: jax.Array
+    params: nnx.State
+    opt_state: optax.OptState
+    step: jax.Array
 
 
-def make_optimizer(lr: float, weight_decay: float = 0.0, b1: float = 0.9, b2: float = 0.999,
-                   grad_clip: float = 0.0) -> optax.GradientTransformation:
-  """AdamW after global-norm clipping (`grad_clip=0` disables clipping).
+def make_optimizer(
+    lr: float, weight_decay: float = 0.0, b1: float = 0.9, b2: float = 0.999, grad_clip: float = 0.0
+) -> optax.GradientTransformation:
+    """AdamW after global-norm clipping (`grad_clip=0` disables clipping).
 
-  The chain's structure does not depend on the arguments, so optimizer states of different
-  phases (behaviour cloning, RL) restore into one another's checkpoint template.
-  """
-  max_norm = grad_clip if grad_clip > 0 else float("inf")
-  return optax.chain(optax.clip_by_global_norm(max_norm),
-                     optax.adamw(lr, b1=b1, b2=b2, weight_decay=weight_decay))
+    The chain's structure does not depend on the arguments, so optimizer states of different
+    phases (behaviour cloning, RL) restore into one another's checkpoint template.
+    """
+    max_norm = grad_clip if grad_clip > 0 else float("inf")
+    return optax.chain(
+        optax.clip_by_global_norm(max_norm),
+        optax.adamw(lr, b1=b1, b2=b2, weight_decay=weight_decay),
+    )
 
 
 @dataclasses.dataclass(frozen=True)
 class Batch:
-  """A padded batch of sequences (numpy on the host; device arrays inside jit).
+    """A padded batch of sequences (numpy on the host; device arrays inside jit).
 
-  Attributes:
-    tokens: int32 [B, L] prompt + action tokens, right-padded.
-    loss_mask: float32 [B, L]; 1 where token l is an action token to train (predicted from
-      position l - 1).
-    advantages: float32 [B, L] per-token advantage (zero for BC).
-    old_logprobs: float32 [B, L] log-probs of the tokens under the behaviour policy.
-    weights: float32 [B] per-sequence loss weight (1 for every real row, 0 for padding rows).
-  """
+    Attributes:
+      tokens: int32 [B, L] prompt + action tokens, right-padded.
+      loss_mask: float32 [B, L]; 1 where token l is an action token to train (predicted from
+        position l - 1).
+      advantages: float32 [B, L] per-token advantage (zero for BC).
+      old_logprobs: float32 [B, L] log-probs of the tokens under the behaviour policy.
+      weights: float32 [B] per-sequence loss weight (default 1 for every real row; 0 for
+        padding rows). E.g. 1 / (steps in the sequence's trajectory), so that every trajectory
+        weighs the same in the loss however many steps it took.
+    """
 
-  tokens: np.ndarray
-  loss_mask: np.ndarray
-  advantages: np.ndarray
-  old_logprobs: np.ndarray
-  weights: np.ndarray
+    tokens: np.ndarray
+    loss_mask: np.ndarray
+    advantages: np.ndarray
+    old_logprobs: np.ndarray
+    weights: np.ndarray
 
 
 jax.tree_util.register_dataclass(
-    Batch, data_fields=["tokens", "loss_mask", "advantages", "old_logprobs", "weights"],
-    meta_fields=[])
+    Batch,
+    data_fields=["tokens", "loss_mask", "advantages", "old_logprobs", "weights"],
+    meta_fields=[],
+)
 
 
-def pad_batch(sequences: Sequence[Sequence[int]], action_starts: Sequence[int], *,
-              batch_size: int, length: int, pad_id: int,
-              advantages: Sequence[float] | None = None,
-              old_logprobs: Sequence[Sequence[float]] | None = None) -> Batch:
-  """Packs sequences into a fixed-shape batch (padding rows get weight 0).
+def pad_batch(
+    sequences: Sequence[Sequence[int]],
+    action_starts: Sequence[int],
+    *,
+    batch_size: int,
+    length: int,
+    pad_id: int,
+    advantages: Sequence[float] | None = None,
+    old_logprobs: Sequence[Sequence[float]] | None = None,
+    weights: Sequence[float] | None = None,
+) -> Batch:
+    """Packs sequences into a fixed-shape batch (padding rows get weight 0).
 
-  Args:
-    sequences: token ids, prompt followed by action (and its stop token).
-    action_starts: index in each sequence of its first action token.
-    batch_size, length: the static shape; sequences longer than `length` raise.
-    pad_id: padding token.
-    advantages: one scalar per sequence (broadcast to its action tokens).
-    old_logprobs: per action token log-probs (len == len(seq) - action_start).
-  """
-  n = len(sequences)
-  if n > batch_size:
-    raise ValueError(f"{n} sequences do not fit in a batch of {batch_size}.")
-  tokens = np.full((batch_size, length), pad_id, np.int32)
-  mask = np.zeros((batch_size, length), np.float32)
-  adv = np.zeros((batch_size, length), np.float32)
-  old = np.zeros((batch_size, length), np.float32)
-  weights = np.zeros((batch_size,), np.float32)
-  for i, (seq, start) in enumerate(zip(sequences, action_starts)):
-    if len(seq) > length:
-      raise ValueError(f"Sequence {i} has {len(seq)} tokens, more than the batch length {length}.")
-    if not 0 < start <= len(seq):
-      raise ValueError(f"Sequence {i}: action start {start} outside (0, {len(seq)}].")
-    tokens[i, :len(seq)] = seq
-    mask[i, start:len(seq)] = 1.0
-    weights[i] = 1.0
-    if advantages is not None:
-      adv[i, start:len(seq)] = advantages[i]
-    if old_logprobs is not None:
-      lp = np.asarray(old_logprobs[i], np.float32)
-      if len(lp) != len(seq) - start:
-        raise ValueError(f"Sequence {i}: {len(lp)} old log-probs for {len(seq) - start} tokens.")
-      old[i, start:len(seq)] = lp
-  return Batch(tokens, mask, adv, old, weights)
+    Args:
+      sequences: token ids, prompt followed by action (and its stop token).
+      action_starts: index in each sequence of its first action token.
+      batch_size, length: the static shape; sequences longer than `length` raise.
+      pad_id: padding token.
+      advantages: one scalar per sequence (broadcast to its action tokens).
+      old_logprobs: per action token log-probs (len == len(seq) - action_start).
+      weights: per-sequence loss weights (default 1).
+    """
+    weights_in = weights
+    n = len(sequences)
+    if n > batch_size:
+        raise ValueError(f"{n} sequences do not fit in a batch of {batch_size}.")
+    tokens = np.full((batch_size, length), pad_id, np.int32)
+    mask = np.zeros((batch_size, length), np.float32)
+    adv = np.zeros((batch_size, length), np.float32)
+    old = np.zeros((batch_size, length), np.float32)
+    weights = np.zeros((batch_size,), np.float32)
+    for i, (seq, start) in enumerate(zip(sequences, action_starts)):
+        if len(seq) > length:
+            raise ValueError(
+                f"Sequence {i} has {len(seq)} tokens, more than the batch length {length}."
+            )
+        if not 0 < start <= len(seq):
+            raise ValueError(f"Sequence {i}: action start {start} outside (0, {len(seq)}].")
+        tokens[i, : len(seq)] = seq
+        mask[i, start : len(seq)] = 1.0
+        weights[i] = 1.0 if weights_in is None else float(weights_in[i])
+        if advantages is not None:
+            adv[i, start : len(seq)] = advantages[i]
+        if old_logprobs is not None:
+            lp = np.asarray(old_logprobs[i], np.float32)
+            if len(lp) != len(seq) - start:
+                raise ValueError(
+                    f"Sequence {i}: {len(lp)} old log-probs for {len(seq) - start} tokens."
+                )
+            old[i, start : len(seq)] = lp
+    return Batch(tokens, mask, adv, old, weights)
 
 
-def token_logprobs(model_fn, params, tokens_bl: jax.Array):
-  """Log-prob and entropy of each token given its prefix; position 0 gets 0.
+def token_logprobs(model_fn, params, tokens_bl: jax.Array, temperature: float = 1.0):
+    """Log-prob and entropy of each token given its prefix; position 0 gets 0.
 
-  Returns:
-    (logprobs [B, L], entropies [B, L]) in float32.
-  """
-  logits, _ = model_fn(params, tokens_bl[:, :-1])
-  logp_all = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
-  logp = jnp.take_along_axis(logp_all, tokens_bl[:, 1:, None], axis=-1)[..., 0]
-  ent = -jnp.sum(jnp.exp(logp_all) * logp_all, axis=-1)
-  pad = jnp.zeros_like(logp[:, :1])
-  return jnp.concatenate([pad, logp], axis=1), jnp.concatenate([pad, ent], axis=1)
+    With `temperature != 1` these are of the tempered policy softmax(logits / temperature): the
+    distribution the rollouts were sampled from, which is then the policy being optimised (so the
+    importance ratios stay on-policy).
+
+    Returns:
+      (logprobs [B, L], entropies [B, L]) in float32.
+    """
+    logits, _ = model_fn(params, tokens_bl[:, :-1])
+    logp_all = jax.nn.log_softmax(logits.astype(jnp.float32) / temperature, axis=-1)
+    logp = jnp.take_along_axis(logp_all, tokens_bl[:, 1:, None], axis=-1)[..., 0]
+    ent = -jnp.sum(jnp.exp(logp_all) * logp_all, axis=-1)
+    pad = jnp.zeros_like(logp[:, :1])
+    return jnp.concatenate([pad, logp], axis=1), jnp.concatenate([pad, ent], axis=1)
 
 
-def _aggregate(x_bl, mask_bl, loss_agg: str):
-  if loss_agg == "token_mean":
-    return jnp.sum(x_bl * mask_bl) / jnp.maximum(jnp.sum(mask_bl), 1.0)
-  if loss_agg == "seq_mean":
-    per_seq = jnp.sum(x_bl * mask_bl, axis=1) / jnp.maximum(jnp.sum(mask_bl, axis=1), 1.0)
-    has = (jnp.sum(mask_bl, axis=1) > 0).astype(jnp.float32)
-    return jnp.sum(per_seq * has) / jnp.maximum(jnp.sum(has), 1.0)
-  raise ValueError(f"Unknown loss_agg {loss_agg!r}; expected token_mean or seq_mean.")
+def _safe_div(num, den):
+    return jnp.where(den > 0, num / jnp.where(den > 0, den, 1.0), 0.0)
+
+
+def _aggregate(x_bl, mask_bl, weights_b, loss_agg: str):
+    """Weighted mean of x over the masked tokens.
+
+    token_mean: every token weighs its sequence's weight. seq_mean: each sequence's token mean
+    weighs its sequence's weight (so long and short actions count alike).
+    """
+    if loss_agg == "token_mean":
+        w_bl = mask_bl * weights_b[:, None]
+        return _safe_div(jnp.sum(x_bl * w_bl), jnp.sum(w_bl))
+    if loss_agg == "seq_mean":
+        n_b = jnp.sum(mask_bl, axis=1)
+        per_seq = _safe_div(jnp.sum(x_bl * mask_bl, axis=1), n_b)
+        w_b = weights_b * (n_b > 0)
+        return _safe_div(jnp.sum(per_seq * w_b), jnp.sum(w_b))
+    raise ValueError(f"Unknown loss_agg {loss_agg!r}; expected token_mean or seq_mean.")
 
 
 def bc_loss(model_fn, params, batch: Batch):
-  """Negative log-likelihood of the action tokens (behaviour cloning)."""
-  logp, ent = token_logprobs(model_fn, params, batch.tokens)
-  mask = batch.loss_mask * batch.weights[:, None]
-  loss = -_aggregate(logp, mask, "token_mean")
-  acc_den = jnp.maximum(jnp.sum(mask), 1.0)
-  return loss, {"nll": loss, "entropy": jnp.sum(ent * mask) / acc_den}
+    """Negative log-likelihood of the action tokens (behaviour cloning)."""
+    logp, ent = token_logprobs(model_fn, params, batch.tokens)
+    mask = batch.loss_mask * (batch.weights[:, None] > 0)
+    loss = -_aggregate(logp, mask, batch.weights, "token_mean")
+    acc_den = jnp.maximum(jnp.sum(mask), 1.0)
+    return loss, {"nll": loss, "entropy": jnp.sum(ent * mask) / acc_den}
 
 
-def pg_loss(model_fn, params, batch: Batch, *, clip_eps: float, loss_agg: str,
-            kl_coef: float = 0.0, ref_logprobs: jax.Array | None = None):
-  """Token-level clipped policy-gradient loss (PPO/GRPO surrogate).
+def pg_loss(
+    model_fn,
+    params,
+    batch: Batch,
+    *,
+    clip_eps: float,
+    loss_agg: str,
+    kl_coef: float = 0.0,
+    ref_logprobs: jax.Array | None = None,
+    temperature: float = 1.0,
+):
+    """Token-level clipped policy-gradient loss (PPO/GRPO surrogate).
 
-  Per action token: `-min(r A, clip(r, 1 - eps, 1 + eps) A)` with `r = exp(logp - old_logp)`,
-  aggregated by `loss_agg`. With `kl_coef > 0` adds `kl_coef * KL(pi || ref)` using the
-  non-negative k3 estimator `exp(ref - logp) - (ref - logp) - 1`.
-  """
-  logp, ent = token_logprobs(model_fn, params, batch.tokens)
-  mask = batch.loss_mask * batch.weights[:, None]
-  log_ratio = jnp.where(mask > 0, logp - batch.old_logprobs, 0.0)
-  ratio = jnp.exp(log_ratio)
-  adv = batch.advantages
-  unclipped = ratio * adv
-  clipped = jnp.clip(ratio, 1.0 - clip_eps, 1.0 + clip_eps) * adv
-  surrogate = jnp.minimum(unclipped, clipped)
-  loss = -_aggregate(surrogate, mask, loss_agg)
-  den = jnp.maximum(jnp.sum(mask), 1.0)
-  metrics = {
-      "pg_loss": loss,
-      "entropy": jnp.sum(ent * mask) / den,
-      "clip_frac": jnp.sum((jnp.abs(ratio - 1.0) > clip_eps) * mask) / den,
-      "approx_kl_old": jnp.sum((ratio - 1.0 - log_ratio) * mask) / den,
-  }
-  if kl_coef > 0:
-    if ref_logprobs is None:
-      raise ValueError("kl_coef > 0 needs reference log-probs.")
-    d = jnp.where(mask > 0, ref_logprobs - logp, 0.0)
-    kl = _aggregate(jnp.exp(d) - d - 1.0, mask, loss_agg)
-    loss = loss + kl_coef * kl
-    metrics["kl_ref"] = kl
-  metrics["loss"] = loss
-  return loss, metrics
+    Per action token: `-min(r A, clip(r, 1 - eps, 1 + eps) A)` with `r = exp(logp - old_logp)`,
+    aggregated by `loss_agg`. With `kl_coef > 0` adds `kl_coef * KL(pi || ref)` using the
+    non-negative k3 estimator `exp(ref - logp) - (ref - logp) - 1`.
+    """
+    logp, ent = token_logprobs(model_fn, params, batch.tokens, temperature)
+    mask = batch.loss_mask * (batch.weights[:, None] > 0)
+    log_ratio = jnp.where(mask > 0, logp - batch.old_logprobs, 0.0)
+    ratio = jnp.exp(log_ratio)
+    adv = batch.advantages
+    unclipped = ratio * adv
+    clipped = jnp.clip(ratio, 1.0 - clip_eps, 1.0 + clip_eps) * adv
+    surrogate = jnp.minimum(unclipped, clipped)
+    loss = -_aggregate(surrogate, mask, batch.weights, loss_agg)
+    den = jnp.maximum(jnp.sum(mask), 1.0)
+    metrics = {
+        "pg_loss": loss,
+        "entropy": jnp.sum(ent * mask) / den,
+        "clip_frac": jnp.sum((jnp.abs(ratio - 1.0) > clip_eps) * mask) / den,
+        "approx_kl_old": jnp.sum((ratio - 1.0 - log_ratio) * mask) / den,
+    }
+    if kl_coef > 0:
+        if ref_logprobs is None:
+            raise ValueError("kl_coef > 0 needs reference log-probs.")
+        d = jnp.where(mask > 0, ref_logprobs - logp, 0.0)
+        kl = _aggregate(jnp.exp(d) - d - 1.0, mask, batch.weights, loss_agg)
+        loss = loss + kl_coef * kl
+        metrics["kl_ref"] = kl
+    metrics["loss"] = loss
+    return loss, metrics
 
 
 def make_model_fn(graphdef):
-  """Wraps an NNX graphdef into `fn(params, tokens) -> (logits, None)`."""
+    """Wraps an NNX graphdef into `fn(params, tokens) -> (logits, None)`."""
 
-  def model_fn(params, tokens_bl):
-    model = nnx.merge(graphdef, params)
-    return model(tokens_bl)
+    def model_fn(params, tokens_bl):
+        model = nnx.merge(graphdef, params)
+        return model(tokens_bl)
 
-  return model_fn
+    return model_fn
 
 
 def make_train_step(graphdef, optimizer: optax.GradientTransformation, loss_fn):
-  """Builds the jitted update: `(state, batch, *extra) -> (state, metrics)`.
+    """Builds the jitted update: `(state, batch, *extra) -> (state, metrics)`.
 
-  The state's buffers are donated: the update happens in place on the device. The global
-  gradient norm (before clipping) is reported every step.
-  """
-  model_fn = make_model_fn(graphdef)
+    The state's buffers are donated: the update happens in place on the device. The global
+    gradient norm (before clipping) is reported every step.
+    """
+    model_fn = make_model_fn(graphdef)
 
-  @functools.partial(jax.jit, donate_argnums=(0,))
-  def train_step(state: TrainState, batch: Batch, *extra):
-    def objective(params):
-      return loss_fn(model_fn, params, batch, *extra)
+    @functools.partial(jax.jit, donate_argnums=(0,))
+    def train_step(state: TrainState, batch: Batch, *extra):
+        def objective(params):
+            return loss_fn(model_fn, params, batch, *extra)
 
-    (loss, metrics), grads = jax.value_and_grad(objective, has_aux=True)(state.params)
-    updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
-    params = optax.apply_updates(state.params, updates)
-    metrics = dict(metrics, loss=loss, grad_norm=optax.tree.norm(grads),
-                   param_norm=optax.tree.norm(params))
-    return TrainState(params=params, opt_state=opt_state, step=state.step + 1), metrics
+        (loss, metrics), grads = jax.value_and_grad(objective, has_aux=True)(state.params)
+        updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
+        params = optax.apply_updates(state.params, updates)
+        metrics = dict(
+            metrics, loss=loss, grad_norm=optax.tree.norm(grads), param_norm=optax.tree.norm(params)
+        )
+        return TrainState(params=params, opt_state=opt_state, step=state.step + 1), metrics
 
-  return train_step
+    return train_step
 
 
-def make_logprob_fn(graphdef):
-  """Jitted `(params, tokens) -> (logprobs, entropies)` for scoring rollouts."""
-  model_fn = make_model_fn(graphdef)
-  return jax.jit(lambda params, tokens: token_logprobs(model_fn, params, tokens))
+def make_logprob_fn(graphdef, temperature: float = 1.0):
+    """Jitted `(params, tokens) -> (logprobs, entropies)` for scoring rollouts."""
+    model_fn = make_model_fn(graphdef)
+    return jax.jit(lambda params, tokens: token_logprobs(model_fn, params, tokens, temperature))

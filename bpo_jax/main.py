@@ -9,6 +9,7 @@ import logging
 
 import jax
 from absl import app, flags
+from absl import logging as absl_logging
 from ml_collections import config_flags
 
 from bpo_jax import train
@@ -21,23 +22,38 @@ flags.mark_flags_as_required(["config", "workdir"])
 
 
 def main(argv):
-  if len(argv) > 1:
-    raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
-  if FLAGS.multihost:
-    jax.distributed.initialize()
-  logging.getLogger().setLevel(logging.INFO)
-  logging.info("JAX %s on %d %s device(s), process %d of %d", jax.__version__,
-               jax.device_count(), jax.default_backend(), jax.process_index(),
-               jax.process_count())
-  summary = train.train_and_evaluate(FLAGS.config, FLAGS.workdir)
-  print("Evaluation success (greedy, {} {} tasks): initial {} | before RL {} | after RL {}".format(
-      summary["eval_tasks"], summary["eval_split"], _fmt(summary["success_initial"]),
-      _fmt(summary["success_before_rl"]), _fmt(summary["success_after_rl"])), flush=True)
+    if len(argv) > 1:
+        raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
+    if FLAGS.multihost:
+        jax.distributed.initialize()
+    # Our progress at INFO; libraries (Orbax logs every checkpoint operation) at WARNING.
+    absl_logging.set_verbosity(absl_logging.WARNING)
+    logging.getLogger("bpo_jax").setLevel(logging.INFO)
+    logging.getLogger("envs").setLevel(logging.INFO)
+    logging.getLogger("bpo_jax").info(
+        "JAX %s on %d %s device(s), process %d of %d",
+        jax.__version__,
+        jax.device_count(),
+        jax.default_backend(),
+        jax.process_index(),
+        jax.process_count(),
+    )
+    summary = train.train_and_evaluate(FLAGS.config, FLAGS.workdir)
+    print(
+        "Evaluation success (greedy, {} {} tasks): initial {} | before RL {} | after RL {}".format(
+            summary["eval_tasks"],
+            summary["eval_split"],
+            _fmt(summary["success_initial"]),
+            _fmt(summary["success_before_rl"]),
+            _fmt(summary["success_after_rl"]),
+        ),
+        flush=True,
+    )
 
 
 def _fmt(x):
-  return "n/a" if x is None else f"{x:.3f}"
+    return "n/a" if x is None else f"{x:.3f}"
 
 
 if __name__ == "__main__":
-  app.run(main)
+    app.run(main)

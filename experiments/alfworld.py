@@ -27,116 +27,124 @@ TASK_TYPES = (
 
 
 def parse_arg(arg: str | None) -> dict[str, str]:
-  """Parses 'cpu,algo=grpo' into {'cpu': 'true', 'algo': 'grpo'}."""
-  out = {}
-  for item in (arg or "").split(","):
-    item = item.strip()
-    if not item:
-      continue
-    key, _, value = item.partition("=")
-    out[key.strip()] = value.strip() if value else "true"
-  return out
+    """Parses 'cpu,algo=grpo' into {'cpu': 'true', 'algo': 'grpo'}."""
+    out = {}
+    for item in (arg or "").split(","):
+        item = item.strip()
+        if not item:
+            continue
+        key, _, value = item.partition("=")
+        out[key.strip()] = value.strip() if value else "true"
+    return out
 
 
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
-  variants = parse_arg(arg)
-  unknown = set(variants) - {"cpu", "algo", "model"}
-  if unknown:
-    raise ValueError(f"Unknown variant(s) {sorted(unknown)} in {arg!r}; known: cpu, algo=, model=.")
-  cpu = variants.get("cpu") == "true"
+    variants = parse_arg(arg)
+    unknown = set(variants) - {"cpu", "algo", "model"}
+    if unknown:
+        raise ValueError(
+            f"Unknown variant(s) {sorted(unknown)} in {arg!r}; known: cpu, algo=, model=."
+        )
+    cpu = variants.get("cpu") == "true"
 
-  c = ml_collections.ConfigDict()
-  c.seed = 0  # Seeds parameter init, task order and sampling.
+    c = ml_collections.ConfigDict()
+    c.seed = 0  # Seeds parameter init, task order and sampling.
 
-  # Policy. `preset` names an architecture in bpo_jax.models.config.PRESETS; `hf_checkpoint`
-  # (a directory with config.json, *.safetensors and tokenizer.json) loads pretrained weights.
-  c.model = ml_collections.ConfigDict()
-  c.model.preset = variants.get("model", "tiny" if cpu else "qwen2_5_7b")
-  c.model.hf_checkpoint = ""  # Required for the 7B/8B presets; empty = random init (tiny only).
-  c.model.tokenizer = ""  # Path to a tokenizer; empty = the checkpoint's, or train one (tiny).
-  c.model.tokenizer_vocab_size = 1024  # SentencePiece vocabulary trained for the tiny policy.
-  c.model.max_seq_len = 1024 if cpu else 8192  # KV-cache capacity and longest training sequence.
-  c.model.dtype = "float32" if cpu else "bfloat16"  # Activation dtype.
-  c.model.param_dtype = "float32"  # Parameter (and optimizer-state) dtype.
+    # Policy. `preset` names an architecture in bpo_jax.models.config.PRESETS; `hf_checkpoint`
+    # (a directory with config.json, *.safetensors and tokenizer.json) loads pretrained weights.
+    c.model = ml_collections.ConfigDict()
+    c.model.preset = variants.get("model", "tiny" if cpu else "qwen2_5_7b")
+    c.model.hf_checkpoint = ""  # Required for the 7B/8B presets; empty = random init (tiny only).
+    c.model.tokenizer = ""  # Path to a tokenizer; empty = the checkpoint's, or train one (tiny).
+    c.model.tokenizer_vocab_size = 1024  # SentencePiece vocabulary trained for the tiny policy.
+    c.model.max_seq_len = 512 if cpu else 8192  # KV-cache capacity and longest training sequence.
+    c.model.dtype = "float32" if cpu else "bfloat16"  # Activation dtype.
+    c.model.param_dtype = "float32"  # Parameter (and optimizer-state) dtype.
 
-  # Device mesh (data, fsdp, tensor); -1 takes the remaining devices. Logical-axis rules map the
-  # model's named axes to mesh axes (see bpo_jax/models/sharding.py).
-  c.mesh = ml_collections.ConfigDict()
-  c.mesh.data = 1
-  c.mesh.fsdp = -1
-  c.mesh.tensor = 1
-  c.mesh.rules = (
-      ("batch", ("data", "fsdp")),
-      ("length", None),
-      ("embed", "fsdp"),
-      ("heads", "tensor"),
-      ("kv_heads", "tensor"),
-      ("head_dim", None),
-      ("mlp", "tensor"),
-      ("vocab", "tensor"),
-      ("layers", None),
-  )
+    # Device mesh (data, fsdp, tensor); -1 takes the remaining devices. Logical-axis rules map the
+    # model's named axes to mesh axes (see bpo_jax/models/sharding.py).
+    c.mesh = ml_collections.ConfigDict()
+    c.mesh.data = 1
+    c.mesh.fsdp = -1
+    c.mesh.tensor = 1
+    c.mesh.rules = (
+        ("batch", ("data", "fsdp")),
+        ("length", None),
+        ("embed", "fsdp"),
+        ("heads", "tensor"),
+        ("kv_heads", "tensor"),
+        ("head_dim", None),
+        ("mlp", "tensor"),
+        ("vocab", "tensor"),
+        ("layers", None),
+    )
 
-  # Environment.
-  c.env = ml_collections.ConfigDict()
-  c.env.name = "alfworld"
-  c.env.data_root = ""  # Empty: $ALFWORLD_DATA, else the alfworld package's download cache.
-  c.env.train_split = "train"
-  c.env.eval_split = "train" if cpu else "valid_unseen"
-  # The tiny CPU policy learns the two task types with the shortest expert plans.
-  c.env.task_types = ("look_at_obj_in_light", "pick_and_place_simple") if cpu else TASK_TYPES
-  c.env.num_train_tasks = 24 if cpu else 0  # 0 = every game of the split.
-  c.env.max_steps = 12 if cpu else 50  # Episode step limit.
-  c.env.invalid_action_penalty = 0.0 if cpu else 0.1  # Reward for an invalid/unparseable action.
-  c.env.num_workers = 2 if cpu else 32  # Host-side sandbox worker processes.
-  c.env.sandbox_backend = "fork"  # fork | replay (| criu | inprocess where the env allows).
+    # Environment.
+    c.env = ml_collections.ConfigDict()
+    c.env.name = "alfworld"
+    c.env.data_root = ""  # Empty: $ALFWORLD_DATA, else the alfworld package's download cache.
+    c.env.train_split = "train"
+    c.env.eval_split = "train" if cpu else "valid_unseen"
+    # The tiny CPU policy learns the two task types with the shortest expert plans.
+    c.env.task_types = ("look_at_obj_in_light", "pick_and_place_simple") if cpu else TASK_TYPES
+    c.env.num_train_tasks = 24 if cpu else 0  # 0 = every game of the split.
+    c.env.max_steps = 12 if cpu else 50  # Episode step limit.
+    c.env.invalid_action_penalty = 0.0 if cpu else 0.1  # Reward for an invalid/unparseable action.
+    c.env.num_workers = 2 if cpu else 32  # Host-side sandbox worker processes.
+    c.env.sandbox_backend = "fork"  # fork | replay (| criu | inprocess where the env allows).
 
-  # Agent turn format: task + room description + the last `history_turns` (observation,
-  # action) pairs + the current observation; the action is parsed from the generated text.
-  c.agent = ml_collections.ConfigDict()
-  c.agent.history_turns = 2
-  c.agent.max_prompt_tokens = 448 if cpu else 4096
-  c.agent.max_action_tokens = 16 if cpu else 64
+    # Agent turn format: task + room description + the last `history_turns` (observation,
+    # action) pairs + the current observation; the action is parsed from the generated text.
+    c.agent = ml_collections.ConfigDict()
+    c.agent.history_turns = 2
+    c.agent.max_prompt_tokens = 320 if cpu else 4096
+    c.agent.max_action_tokens = 16 if cpu else 64
 
-  # Sampling during rollouts (evaluation is greedy).
-  c.sampler = ml_collections.ConfigDict()
-  c.sampler.temperature = 1.0
-  c.sampler.top_p = 1.0
-  c.sampler.length_bucket = 64
+    # Sampling during rollouts (evaluation is greedy).
+    c.sampler = ml_collections.ConfigDict()
+    # The RL policy is softmax(logits / temperature): the learner scores tokens at the same
+    # temperature. The tiny BC policy is too uncertain at 1.0 to ever finish a task.
+    c.sampler.temperature = 0.5 if cpu else 1.0
+    c.sampler.top_p = 1.0
+    c.sampler.length_bucket = 64
 
-  # Behaviour cloning from the expert walkthroughs (starts the tiny policy; off for 7B/8B).
-  c.bc = ml_collections.ConfigDict()
-  c.bc.steps = 300 if cpu else 0
-  c.bc.batch_size = 32
-  c.bc.lr = 2e-3
+    # Behaviour cloning from the expert walkthroughs (starts the tiny policy; off for 7B/8B).
+    c.bc = ml_collections.ConfigDict()
+    c.bc.steps = 150 if cpu else 0
+    c.bc.batch_size = 16
+    c.bc.lr = 2e-3
 
-  # RL.
-  c.train = ml_collections.ConfigDict()
-  c.train.algo = variants.get("algo", "grpo")  # Advantage estimator / rollout topology.
-  c.train.iterations = 6 if cpu else 50  # Policy-update iterations (one rollout batch each).
-  c.train.tasks_per_iter = 4 if cpu else 16
-  c.train.group_size = 4 if cpu else 8  # Rollouts per task (forks of one reset).
-  c.train.lr = 2e-4 if cpu else 1e-6
-  c.train.weight_decay = 0.0
-  c.train.b1 = 0.9
-  c.train.b2 = 0.999
-  c.train.grad_clip = 1.0  # Global-norm clipping; 0 disables.
-  c.train.clip_eps = 0.2  # PPO-style ratio clipping.
-  c.train.kl_coef = 0.0  # KL(pi || reference) penalty (k3 estimator); 0 = no reference model.
-  c.train.epochs = 1  # Passes over each rollout batch.
-  c.train.minibatch_size = 64 if cpu else 128  # Sequences per gradient step.
-  c.train.loss_agg = "token_mean"  # token_mean | seq_mean.
-  c.train.adv_eps = 1e-6
+    # RL.
+    c.train = ml_collections.ConfigDict()
+    c.train.algo = variants.get("algo", "grpo")  # Advantage estimator / rollout topology.
+    c.train.iterations = 6 if cpu else 50  # Policy-update iterations (one rollout batch each).
+    c.train.tasks_per_iter = 4 if cpu else 16
+    c.train.group_size = 4 if cpu else 8  # Rollouts per task (forks of one reset).
+    c.train.lr = 5e-5 if cpu else 1e-6
+    c.train.weight_decay = 0.0
+    c.train.b1 = 0.9
+    c.train.b2 = 0.999
+    c.train.grad_clip = 1.0  # Global-norm clipping; 0 disables.
+    c.train.clip_eps = 0.2  # PPO-style ratio clipping.
+    c.train.kl_coef = 0.0  # KL(pi || reference) penalty (k3 estimator); 0 = no reference model.
+    c.train.epochs = 1  # Passes over each rollout batch.
+    c.train.minibatch_size = 64 if cpu else 128  # Sequences per gradient step.
+    c.train.loss_agg = "token_mean"  # token_mean | seq_mean.
+    # Loss weight of a step: 1 / (steps in its trajectory) ("trajectory", each trajectory
+    # counts once, as in the per-trajectory policy gradient) or 1 ("uniform", an ablation in
+    # which long failing episodes dominate).
+    c.train.step_weighting = "trajectory"
+    c.train.adv_eps = 1e-6
 
-  # Evaluation: greedy episodes before RL (after BC) and at the end.
-  c.eval = ml_collections.ConfigDict()
-  c.eval.num_tasks = 24 if cpu else 134
-  c.eval.every = 0  # Also evaluate every N iterations (0 = only before and after).
+    # Evaluation: greedy episodes before RL (after BC) and at the end.
+    c.eval = ml_collections.ConfigDict()
+    c.eval.num_tasks = 24 if cpu else 134
+    c.eval.every = 0  # Also evaluate every N iterations (0 = only before and after).
 
-  # Checkpoints (Orbax) in <workdir>/checkpoints; a restarted run resumes from the latest.
-  c.checkpoint = ml_collections.ConfigDict()
-  c.checkpoint.every = 2 if cpu else 5
-  c.checkpoint.max_to_keep = 2
+    # Checkpoints (Orbax) in <workdir>/checkpoints; a restarted run resumes from the latest.
+    c.checkpoint = ml_collections.ConfigDict()
+    c.checkpoint.every = 2 if cpu else 5
+    c.checkpoint.max_to_keep = 2
 
-  c.log_every = 1
-  return c
+    c.log_every = 1
+    return c

@@ -10,110 +10,152 @@ import jax.numpy as jnp
 
 @dataclasses.dataclass(frozen=True)
 class RopeScaling:
-  """Llama-3.1 style frequency-dependent RoPE scaling ("rope_type": "llama3")."""
+    """Llama-3.1 style frequency-dependent RoPE scaling ("rope_type": "llama3")."""
 
-  factor: float = 8.0
-  low_freq_factor: float = 1.0
-  high_freq_factor: float = 4.0
-  original_max_position_embeddings: int = 8192
+    factor: float = 8.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
 
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
-  """Architecture of a decoder-only transformer of the Llama / Qwen2 family.
+    """Architecture of a decoder-only transformer of the Llama / Qwen2 family.
 
-  Attributes:
-    vocab_size: number of token embeddings (and logits).
-    hidden_size: model width D.
-    intermediate_size: SwiGLU hidden width F.
-    num_layers: number of decoder blocks.
-    num_heads: query heads H.
-    num_kv_heads: key/value heads K (grouped-query attention; H % K == 0).
-    head_dim: per-head width (defaults to hidden_size // num_heads).
-    rope_theta: RoPE base.
-    rope_scaling: optional Llama-3.1 scaling of the RoPE frequencies.
-    rms_norm_eps: epsilon of every RMSNorm.
-    qkv_bias: whether q/k/v projections have biases (Qwen2: yes, Llama: no).
-    tie_embeddings: whether the LM head reuses the embedding matrix.
-    max_seq_len: longest sequence the sampler's KV cache may hold.
-    dtype: compute dtype of activations (parameters stay in param_dtype).
-    param_dtype: storage dtype of parameters.
-  """
+    Attributes:
+      vocab_size: number of token embeddings (and logits).
+      hidden_size: model width D.
+      intermediate_size: SwiGLU hidden width F.
+      num_layers: number of decoder blocks.
+      num_heads: query heads H.
+      num_kv_heads: key/value heads K (grouped-query attention; H % K == 0).
+      head_dim: per-head width (defaults to hidden_size // num_heads).
+      rope_theta: RoPE base.
+      rope_scaling: optional Llama-3.1 scaling of the RoPE frequencies.
+      rms_norm_eps: epsilon of every RMSNorm.
+      qkv_bias: whether q/k/v projections have biases (Qwen2: yes, Llama: no).
+      tie_embeddings: whether the LM head reuses the embedding matrix.
+      max_seq_len: longest sequence the sampler's KV cache may hold.
+      dtype: compute dtype of activations (parameters stay in param_dtype).
+      param_dtype: storage dtype of parameters.
+    """
 
-  vocab_size: int
-  hidden_size: int
-  intermediate_size: int
-  num_layers: int
-  num_heads: int
-  num_kv_heads: int
-  head_dim: int | None = None
-  rope_theta: float = 10_000.0
-  rope_scaling: RopeScaling | None = None
-  rms_norm_eps: float = 1e-6
-  qkv_bias: bool = False
-  tie_embeddings: bool = False
-  max_seq_len: int = 2048
-  dtype: Any = jnp.float32
-  param_dtype: Any = jnp.float32
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int | None = None
+    rope_theta: float = 10_000.0
+    rope_scaling: RopeScaling | None = None
+    rms_norm_eps: float = 1e-6
+    qkv_bias: bool = False
+    tie_embeddings: bool = False
+    max_seq_len: int = 2048
+    dtype: Any = jnp.float32
+    param_dtype: Any = jnp.float32
 
-  def __post_init__(self):
-    positive = ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
-                "num_kv_heads", "max_seq_len")
-    for name in positive:
-      if getattr(self, name) <= 0:
-        raise ValueError(f"ModelConfig.{name} must be positive, got {getattr(self, name)}.")
-    if self.num_heads % self.num_kv_heads:
-      raise ValueError(
-          f"ModelConfig.num_heads ({self.num_heads}) must be a multiple of num_kv_heads "
-          f"({self.num_kv_heads}) for grouped-query attention.")
-    if self.head_dim is None and self.hidden_size % self.num_heads:
-      raise ValueError(
-          f"ModelConfig.hidden_size ({self.hidden_size}) is not divisible by num_heads "
-          f"({self.num_heads}); set head_dim explicitly.")
-    if self.resolved_head_dim % 2:
-      raise ValueError(f"ModelConfig.head_dim must be even for RoPE, got {self.resolved_head_dim}.")
+    def __post_init__(self):
+        positive = (
+            "vocab_size",
+            "hidden_size",
+            "intermediate_size",
+            "num_layers",
+            "num_heads",
+            "num_kv_heads",
+            "max_seq_len",
+        )
+        for name in positive:
+            if getattr(self, name) <= 0:
+                raise ValueError(f"ModelConfig.{name} must be positive, got {getattr(self, name)}.")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"ModelConfig.num_heads ({self.num_heads}) must be a multiple of num_kv_heads "
+                f"({self.num_kv_heads}) for grouped-query attention."
+            )
+        if self.head_dim is None and self.hidden_size % self.num_heads:
+            raise ValueError(
+                f"ModelConfig.hidden_size ({self.hidden_size}) is not divisible by num_heads "
+                f"({self.num_heads}); set head_dim explicitly."
+            )
+        if self.resolved_head_dim % 2:
+            raise ValueError(
+                f"ModelConfig.head_dim must be even for RoPE, got {self.resolved_head_dim}."
+            )
 
-  @property
-  def resolved_head_dim(self) -> int:
-    return self.head_dim if self.head_dim is not None else self.hidden_size // self.num_heads
+    @property
+    def resolved_head_dim(self) -> int:
+        return self.head_dim if self.head_dim is not None else self.hidden_size // self.num_heads
 
-  def replace(self, **kwargs) -> ModelConfig:
-    return dataclasses.replace(self, **kwargs)
+    def replace(self, **kwargs) -> ModelConfig:
+        return dataclasses.replace(self, **kwargs)
 
 
 def qwen2_5_7b(**overrides) -> ModelConfig:
-  """Qwen2.5-7B(-Instruct): 7,615,616,512 parameters."""
-  cfg = ModelConfig(
-      vocab_size=152_064, hidden_size=3584, intermediate_size=18_944, num_layers=28,
-      num_heads=28, num_kv_heads=4, rope_theta=1_000_000.0, rms_norm_eps=1e-6, qkv_bias=True,
-      tie_embeddings=False, max_seq_len=32_768, dtype=jnp.bfloat16, param_dtype=jnp.bfloat16)
-  return cfg.replace(**overrides)
+    """Qwen2.5-7B(-Instruct): 7,615,616,512 parameters."""
+    cfg = ModelConfig(
+        vocab_size=152_064,
+        hidden_size=3584,
+        intermediate_size=18_944,
+        num_layers=28,
+        num_heads=28,
+        num_kv_heads=4,
+        rope_theta=1_000_000.0,
+        rms_norm_eps=1e-6,
+        qkv_bias=True,
+        tie_embeddings=False,
+        max_seq_len=32_768,
+        dtype=jnp.bfloat16,
+        param_dtype=jnp.bfloat16,
+    )
+    return cfg.replace(**overrides)
 
 
 def llama3_1_8b(**overrides) -> ModelConfig:
-  """Llama-3.1-8B(-Instruct): 8,030,261,248 parameters."""
-  cfg = ModelConfig(
-      vocab_size=128_256, hidden_size=4096, intermediate_size=14_336, num_layers=32,
-      num_heads=32, num_kv_heads=8, rope_theta=500_000.0, rope_scaling=RopeScaling(),
-      rms_norm_eps=1e-5, qkv_bias=False, tie_embeddings=False, max_seq_len=131_072,
-      dtype=jnp.bfloat16, param_dtype=jnp.bfloat16)
-  return cfg.replace(**overrides)
+    """Llama-3.1-8B(-Instruct): 8,030,261,248 parameters."""
+    cfg = ModelConfig(
+        vocab_size=128_256,
+        hidden_size=4096,
+        intermediate_size=14_336,
+        num_layers=32,
+        num_heads=32,
+        num_kv_heads=8,
+        rope_theta=500_000.0,
+        rope_scaling=RopeScaling(),
+        rms_norm_eps=1e-5,
+        qkv_bias=False,
+        tie_embeddings=False,
+        max_seq_len=131_072,
+        dtype=jnp.bfloat16,
+        param_dtype=jnp.bfloat16,
+    )
+    return cfg.replace(**overrides)
 
 
 def tiny(**overrides) -> ModelConfig:
-  """A few-million-parameter Qwen2-style policy that trains on a laptop CPU."""
-  cfg = ModelConfig(
-      vocab_size=1024, hidden_size=128, intermediate_size=384, num_layers=4, num_heads=4,
-      num_kv_heads=2, rope_theta=10_000.0, rms_norm_eps=1e-6, qkv_bias=True,
-      tie_embeddings=True, max_seq_len=1024)
-  return cfg.replace(**overrides)
+    """A few-million-parameter Qwen2-style policy that trains on a laptop CPU."""
+    cfg = ModelConfig(
+        vocab_size=1024,
+        hidden_size=128,
+        intermediate_size=384,
+        num_layers=4,
+        num_heads=4,
+        num_kv_heads=2,
+        rope_theta=10_000.0,
+        rms_norm_eps=1e-6,
+        qkv_bias=True,
+        tie_embeddings=True,
+        max_seq_len=1024,
+    )
+    return cfg.replace(**overrides)
 
 
 PRESETS = {"tiny": tiny, "qwen2_5_7b": qwen2_5_7b, "llama3_1_8b": llama3_1_8b}
 
 
 def get_preset(name: str, **overrides) -> ModelConfig:
-  """Returns the named preset with field overrides applied."""
-  if name not in PRESETS:
-    raise ValueError(f"Unknown model preset {name!r}; known presets: {sorted(PRESETS)}.")
-  return PRESETS[name](**overrides)
+    """Returns the named preset with field overrides applied."""
+    if name not in PRESETS:
+        raise ValueError(f"Unknown model preset {name!r}; known presets: {sorted(PRESETS)}.")
+    return PRESETS[name](**overrides)

@@ -12,9 +12,13 @@ Timed, after a warm-up call of each (compile time reported separately):
     their difference is HF's decode time for the other 63 tokens.
 Decode tokens/s = B * (decode forward passes) / decode time; end-to-end tokens/s = B * 64 /
 (prefill + decode). The sides run in interleaved rounds and are summarised by the median,
-because this machine is shared. PyTorch gets as many threads as JAX's CPU client uses (the
-process's cores). HF is also timed with one thread: with two threads on a loaded machine
-PyTorch's OpenMP barriers can make it an order of magnitude slower, which would flatter us.
+because this machine is shared; each side starts after a short pause, so that neither runs
+while the other's worker threads may still be spinning.
+
+The headline ratio is against HF with as many torch threads as JAX's CPU client uses (the
+process's cores). HF is also timed with one thread, labelled as such and never the headline:
+with two threads on a loaded machine PyTorch's OpenMP barriers can make HF an order of magnitude
+slower (so the two-thread ratio swings with the machine's load, which is recorded per round).
 
 Achieved FLOP/s of our decode counts 2 * (matmul parameters) per token plus attention
 (4 * layers * heads * head_dim * context per token, context = tokens attended); "executed" also
@@ -44,6 +48,8 @@ from flax import nnx
 from bpo_jax.models.hf_import import load_hf_checkpoint
 from bpo_jax.models.llama import init_cache
 from bpo_jax.sampler import Sampler
+
+TARGET_SPEEDUP = 3.0  # decode tokens/s over HF generate, same threads
 
 
 def parse_args():
@@ -105,6 +111,11 @@ def decode_flops(cfg, params, batch: int, prompt_len: int, steps: int, capacity:
     return float(useful), float(executed), matmul_params
 
 
+def settle(seconds: float = 0.3) -> None:
+    """Lets the other side's thread pool go idle before a timed run."""
+    time.sleep(seconds)
+
+
 def main():
     args = parse_args()
     b, p, n = args.batch, args.prompt_len, args.new_tokens
@@ -136,6 +147,7 @@ def main():
 
     def ours_run(seed):
         cache = jax.block_until_ready(init_cache(cfg, b, capacity))
+        settle()
         start = time.perf_counter()
         state = sampler.prefill(params, cache, prompts)
         jax.block_until_ready(state.last_logits)
@@ -167,9 +179,11 @@ def main():
             raise SystemExit(f"HF generated shape {tuple(out.shape)}, not {(b, p + num_new)}.")
 
     def hf_run():
+        settle()
         start = time.perf_counter()
         hf_generate(n)
         full = time.perf_counter() - start
+        settle()
         start = time.perf_counter()
         hf_generate(1)
         return full, time.perf_counter() - start
@@ -179,7 +193,7 @@ def main():
     hf_warm_full, _ = hf_run()
     matmul_peak(repeats=1)
     rows = {"ours": [], "hf": [], "hf_one_thread": []}
-    peaks = []
+    peaks, loads = [], []
     for r in range(args.repeats):
         # Every side runs once per round, so a burst of load from other processes hits all.
         rows["ours"].append(ours_run(r + 1))
@@ -189,10 +203,13 @@ def main():
             rows["hf_one_thread"].append(hf_run())
             torch.set_num_threads(threads)
         peaks.append(matmul_peak(repeats=2))
+        loads.append(os.getloadavg()[0])
+        one = rows["hf_one_thread"][-1] if args.hf_one_thread else (float("nan"),) * 2
         print(
             f"round {r + 1}/{args.repeats}: ours prefill/decode "
             f"{rows['ours'][-1][0]:.3f}/{rows['ours'][-1][1]:.3f} s, HF generate(64)/(1) "
-            f"{rows['hf'][-1][0]:.3f}/{rows['hf'][-1][1]:.3f} s",
+            f"{threads} threads {rows['hf'][-1][0]:.3f}/{rows['hf'][-1][1]:.3f} s, 1 thread "
+            f"{one[0]:.3f}/{one[1]:.3f} s; load average {loads[-1]:.1f}",
             flush=True,
         )
     hf_one = rows.pop("hf_one_thread") or None
@@ -233,6 +250,7 @@ def main():
             "cpu": platform.processor() or platform.machine(),
             "loadavg_start": load_start,
             "loadavg_end": load_end,
+            "loadavg_1min_per_round": loads,
         },
         "ours": {
             "prefill_s": o_prefill,
@@ -256,7 +274,12 @@ def main():
             "warmup_generate_s": hf_warm_full,
         },
         "decode_speedup": ours_decode_tps / hf_decode_tps,
+        "decode_speedup_target": TARGET_SPEEDUP,
         "end_to_end_speedup": (b * n / (o_prefill + o_decode)) / (b * n / h_full),
+        # The same comparison by each side's fastest round: less sensitive to bursts of load.
+        "decode_speedup_best_rounds": min(t[0] - t[1] for t in rows["hf"])
+        / (b * (n - 1))
+        / (min(t[1] for t in rows["ours"]) / (b * steps)),
         "matmul_peak_flops_per_s": peak,
         "raw_s": rows,
     }
@@ -274,29 +297,49 @@ def main():
         f"batch {b}, prompt {p}, {n} new tokens, {threads} CPU threads each, median of "
         f"{args.repeats}; load average {load_start[0]:.1f} -> {load_end[0]:.1f}"
     )
-    print(f"{'':28}{'decode tok/s':>14}{'end-to-end tok/s':>18}{'compile s':>11}")
+    print(f"{'':32}{'decode tok/s':>14}{'end-to-end tok/s':>18}{'compile s':>11}")
     print(
-        f"{'ours (jitted sampler)':28}{ours_decode_tps:14.0f}"
+        f"{'ours (jitted sampler)':32}{ours_decode_tps:14.0f}"
         f"{results['ours']['end_to_end_tokens_per_s']:18.0f}"
         f"{results['ours']['compile_prefill_s'] + results['ours']['compile_generate_s']:11.1f}"
     )
     print(
-        f"{'HF generate (torch)':28}{hf_decode_tps:14.0f}"
+        f"{f'HF generate, {threads} threads':32}{hf_decode_tps:14.0f}"
         f"{results['hf']['end_to_end_tokens_per_s']:18.0f}{'-':>11}"
     )
     if hf_one is not None:
         print(
-            f"{'HF generate, 1 thread':28}{results['hf_one_thread']['decode_tokens_per_s']:14.0f}"
+            f"{'HF generate, 1 thread (aside)':32}"
+            f"{results['hf_one_thread']['decode_tokens_per_s']:14.0f}"
             f"{results['hf_one_thread']['end_to_end_tokens_per_s']:18.0f}{'-':>11}"
         )
+    speedup = results["decode_speedup"]
+    verdict = "met" if speedup >= TARGET_SPEEDUP else f"missed by {TARGET_SPEEDUP / speedup:.2f}x"
     print(
-        f"decode speedup {results['decode_speedup']:.1f}x (target >= 3x), end-to-end "
-        f"{results['end_to_end_speedup']:.1f}x"
+        f"headline, HF with the same {threads} threads: decode speedup {speedup:.2f}x "
+        f"(target {TARGET_SPEEDUP:.0f}x: {verdict}), end-to-end "
+        f"{results['end_to_end_speedup']:.2f}x"
     )
+    best = results["decode_speedup_best_rounds"]
+    print(f"  same comparison, fastest round of each side: {best:.2f}x")
+    # This benchmark alone keeps about `threads` threads runnable; more means other processes.
+    if max(loads) > threads + 0.5:
+        print(
+            f"  WARNING: the 1-minute load average reached {max(loads):.1f} on {threads} cores "
+            f"(this benchmark alone accounts for about {threads}): other processes competed for "
+            f"the cores, to which HF with {threads} threads is very sensitive (OpenMP barriers). "
+            "The headline is then not representative; rerun on an idle machine."
+        )
+    if hf_one is not None:
+        print(
+            "not the headline, HF with 1 thread: decode speedup "
+            f"{results['decode_speedup_vs_hf_one_thread']:.2f}x"
+        )
     print(
         f"our decode: {useful / o_decode / 1e9:.2f} GFLOP/s useful "
         f"({100 * results['ours']['decode_useful_fraction_of_peak']:.1f}% of the "
-        f"{peak / 1e9:.1f} GFLOP/s matmul peak), {executed / o_decode / 1e9:.2f} GFLOP/s executed"
+        f"{peak / 1e9:.1f} GFLOP/s matmul peak), {executed / o_decode / 1e9:.2f} GFLOP/s executed "
+        f"({100 * results['ours']['decode_executed_fraction_of_peak']:.1f}%)"
     )
     print(json.dumps({k: v for k, v in results.items() if k != "raw_s"}, indent=1))
     if args.json:

@@ -39,7 +39,6 @@ import numpy as np
 from flax import nnx
 
 from bpo_jax.models.llama import KVCache
-from bpo_jax.models.sharding import constrain
 
 # ----------------------------------------------------------------------------- results
 
@@ -111,19 +110,8 @@ def concat_states(states: Sequence[PrefillState]) -> PrefillState:
     """
     if not states:
         raise ValueError("concat_states needs at least one state.")
-    capacities = {s.cache.capacity for s in states}
-    if len(capacities) != 1:
-        raise ValueError(
-            f"Cannot concatenate caches of different capacities {sorted(capacities)}; allocate "
-            "them with the same init_cache(..., capacity=...)."
-        )
-    caches = [s.cache for s in states]
     return PrefillState(
-        cache=KVCache(
-            k=jnp.concatenate([c.k for c in caches], axis=1),
-            v=jnp.concatenate([c.v for c in caches], axis=1),
-            lengths=jnp.concatenate([c.lengths for c in caches]),
-        ),
+        cache=KVCache.concatenate([s.cache for s in states]),
         last_logits=jnp.concatenate([s.last_logits for s in states]),
         prefilled_b=np.concatenate([s.prefilled_b for s in states]),
         prefill_len=max(s.prefill_len for s in states),
@@ -193,6 +181,12 @@ def sample_logits(
       greedy: take the argmax; logprobs/entropies then describe softmax(logits).
       nucleus: restrict sampling to the top-p nucleus.
     """
+    u_b = None if greedy else jax.vmap(lambda key: jax.random.uniform(key, (), jnp.float32))(keys_b)
+    return _sample_at(logits_bv, u_b, temperature, top_p, greedy=greedy, nucleus=nucleus)
+
+
+def _sample_at(logits_bv, u_b, temperature, top_p, *, greedy: bool, nucleus: bool):
+    """`sample_logits` with each row's uniform number u_b [B] in [0, 1) given (None if greedy)."""
     logits_bv = logits_bv.astype(jnp.float32)
     scaled_bv = logits_bv if greedy else logits_bv / temperature
     logp_bv = jax.nn.log_softmax(scaled_bv, axis=-1)
@@ -204,7 +198,6 @@ def sample_logits(
         draw_bv = probs_bv
         if nucleus:
             draw_bv = jnp.where(nucleus_mask(probs_bv, top_p), probs_bv, 0.0)
-        u_b = jax.vmap(lambda key: jax.random.uniform(key, (), jnp.float32))(keys_b)
         cdf_bv = jnp.cumsum(draw_bv, axis=-1)
         # The first token whose cumulative mass passes u * total. A parallel cumsum need not be
         # exactly monotone, so tokens of zero mass are excluded explicitly.
@@ -230,6 +223,11 @@ def row_keys(rng: jax.Array, batch_size: int) -> jax.Array:
     raise ValueError(
         f"rng must be one key or {batch_size} keys (one per row), got key shape {rng.shape}."
     )
+
+
+def _uniform_at(key: jax.Array, position: jax.Array) -> jax.Array:
+    """The uniform number in [0, 1) that a row with `key` draws its token at `position` with."""
+    return jax.random.uniform(jax.random.fold_in(key, position), (), jnp.float32)
 
 
 def _typed_key(rng) -> jax.Array:
@@ -441,7 +439,7 @@ class Sampler:
         )
         last_idx_b = jnp.maximum(num_new_b - 1, 0)
         hidden_bd = jnp.take_along_axis(hidden_btd, last_idx_b[:, None, None], axis=1)[:, 0]
-        new_last_bv = _lm_head(model, hidden_bd[:, None])[:, 0]
+        new_last_bv = model.logits(hidden_bd[:, None])[:, 0]
         last_logits_bv = jnp.where((num_new_b > 0)[:, None], new_last_bv, last_logits_bv)
         return cache, last_logits_bv
 
@@ -467,13 +465,21 @@ class Sampler:
         def cond(carry):
             return (carry["step"] < num_new) & ~jnp.all(carry["done_b"])
 
-        def body(carry):
-            step, lengths_b, logits_bv = carry["step"], carry["lengths_b"], carry["logits_bv"]
+        u_bn = None
+        if not greedy:
             # The key depends on the position the token will occupy, so a row's draws do not
-            # depend on its batch slot or on which call of a multi-turn episode this is.
-            step_keys_b = jax.vmap(jax.random.fold_in)(keys_b, lengths_b)
-            tok_b, logp_b, ent_b = sample_logits(
-                logits_bv, step_keys_b, temperature, top_p, greedy=greedy, nucleus=nucleus
+            # depend on its batch slot or on which call of a multi-turn episode this is. A row
+            # that is still sampling at step n occupies position lengths[b] + n, so every draw
+            # is made here in one batched call (per step, the two small threefry loops took
+            # ~4% of a tiny-model decode step); the draws of stopped rows go unused.
+            pos_bn = cache.lengths[:, None] + jnp.arange(num_new, dtype=jnp.int32)[None]
+            u_bn = jax.vmap(jax.vmap(_uniform_at, in_axes=(None, 0)))(keys_b, pos_bn)
+
+        def body(carry):
+            step, logits_bv = carry["step"], carry["logits_bv"]
+            u_b = None if greedy else jax.lax.dynamic_index_in_dim(u_bn, step, 1, keepdims=False)
+            tok_b, logp_b, ent_b = _sample_at(
+                logits_bv, u_b, temperature, top_p, greedy=greedy, nucleus=nucleus
             )
             active_b = ~carry["done_b"]
             tok_b = jnp.where(active_b, tok_b, self.pad_id)
@@ -481,16 +487,14 @@ class Sampler:
             # Feed the token (the stop token too) so the cache holds it and the logits after it
             # are ready. Finished rows also run (static shapes) but do not advance: what they
             # write lies beyond their length and is overwritten by their next append.
-            new_logits_bv, keys_l, values_l = _decode_step(
-                model, tok_b, carry["keys_l"], carry["values_l"], lengths_b
+            new_logits_b1v, new_cache = model(
+                tok_b[:, None], cache=carry["cache"], num_new_b=active_b.astype(jnp.int32)
             )
-            lengths_b = lengths_b + active_b.astype(jnp.int32)
+            lengths_b = new_cache.lengths
             return {
                 "step": step + 1,
-                "keys_l": keys_l,
-                "values_l": values_l,
-                "lengths_b": lengths_b,
-                "logits_bv": jnp.where(active_b[:, None], new_logits_bv, logits_bv),
+                "cache": new_cache,
+                "logits_bv": jnp.where(active_b[:, None], new_logits_b1v[:, 0], logits_bv),
                 "done_b": carry["done_b"] | is_eos_b | (lengths_b >= capacity),
                 "tokens_bn": carry["tokens_bn"].at[:, step].set(tok_b),
                 "logprobs_bn": carry["logprobs_bn"].at[:, step].set(jnp.where(active_b, logp_b, 0)),
@@ -500,13 +504,10 @@ class Sampler:
                 "stopped_b": carry["stopped_b"] | is_eos_b,
             }
 
-        num_layers = cache.k.shape[0]
         init = {
             "step": jnp.int32(0),
-            # One buffer per layer (not one stacked array): the loop then updates each in place.
-            "keys_l": tuple(cache.k[i] for i in range(num_layers)),
-            "values_l": tuple(cache.v[i] for i in range(num_layers)),
-            "lengths_b": cache.lengths,
+            # The cache's per-layer buffers are loop state, updated in place every step.
+            "cache": cache,
             "logits_bv": last_logits_bv.astype(jnp.float32),
             "done_b": cache.lengths >= capacity,
             "tokens_bn": jnp.full((batch, num_new), self.pad_id, jnp.int32),
@@ -516,16 +517,12 @@ class Sampler:
         }
         final = jax.lax.while_loop(cond, body, init)
         return {
-            "cache": KVCache(
-                k=jnp.stack(final["keys_l"]),
-                v=jnp.stack(final["values_l"]),
-                lengths=final["lengths_b"],
-            ),
+            "cache": final["cache"],
             "last_logits": final["logits_bv"],
             "tokens": final["tokens_bn"],
             "logprobs": final["logprobs_bn"],
             "entropies": final["entropies_bn"],
-            "lengths": final["lengths_b"] - cache.lengths,
+            "lengths": final["cache"].lengths - cache.lengths,
             "stopped": final["stopped_b"],
             "num_steps": final["step"],
         }
@@ -569,43 +566,6 @@ class Sampler:
         if self._vocab_size is None:
             self._vocab_size = int(params["embed_tokens"].shape[0])
         return self._vocab_size
-
-
-def _decode_step(model, tokens_b, keys_l, values_l, lengths_b):
-    """One token per row through `Transformer`, over per-layer cache buffers.
-
-    The same computation as `model(tokens_b[:, None], cache=...)`, but with the cache as a tuple of
-    per-layer arrays: `Transformer.__call__` re-stacks its [L, ...] cache every call, which inside
-    the decode loop copies the whole cache each step (measured 1.7x slower per step on the tiny
-    model). The layers themselves are the model's own modules; `test_sampler.py` checks that
-    the result matches the model's uncached forward pass.
-
-    Returns:
-      (logits [B, V] float32, new keys_l, new values_l); writes at position lengths_b[b].
-    """
-    cfg = model.cfg
-    positions_b1 = lengths_b[:, None]
-    emb_vd = model.embed_tokens[...]
-    x_b1d = constrain(
-        jnp.take(emb_vd, tokens_b[:, None], axis=0).astype(cfg.dtype), ("batch", "length", "embed")
-    )
-    new_keys, new_values = [], []
-    for i, layer in enumerate(model.layers):
-        x_b1d, k_i, v_i = layer(x_b1d, positions_b1, keys_l[i], values_l[i], positions_b1)
-        new_keys.append(k_i)
-        new_values.append(v_i)
-    logits_b1v = _lm_head(model, model.norm(x_b1d))
-    return logits_b1v[:, 0], tuple(new_keys), tuple(new_values)
-
-
-def _lm_head(model, hidden_btd: jax.Array) -> jax.Array:
-    """Final-norm hidden states [B, T, D] -> float32 logits [B, T, V], as `Transformer` does."""
-    cfg = model.cfg
-    head_dv = model.embed_tokens[...].T if cfg.tie_embeddings else model.lm_head[...]
-    logits_btv = jnp.einsum(
-        "btd,dv->btv", hidden_btd, head_dv.astype(cfg.dtype), preferred_element_type=jnp.float32
-    )
-    return constrain(logits_btv, ("batch", "length", "vocab"))
 
 
 def _check_budget(n: int) -> int:

@@ -16,14 +16,7 @@ command line, e.g. `--config.train.lr=1e-6`.
 
 import ml_collections
 
-TASK_TYPES = (
-    "pick_and_place_simple",
-    "look_at_obj_in_light",
-    "pick_clean_then_place_in_recep",
-    "pick_heat_then_place_in_recep",
-    "pick_cool_then_place_in_recep",
-    "pick_two_obj_and_place",
-)
+from envs.alfworld.data import TASK_TYPES  # The six ALFWorld task types (no engine import).
 
 
 def parse_arg(arg: str | None) -> dict[str, str]:

@@ -56,6 +56,8 @@ class EnvSpec:
     invalid_action_penalty: float
     num_workers: int
     sandbox_backend: str
+    task_options: Mapping[str, Any]  # Extra arguments of the environment's task loader.
+    env_options: Mapping[str, Any]  # Extra arguments of the environment's constructor.
 
 
 @dataclasses.dataclass(frozen=True)
@@ -219,7 +221,6 @@ def validate(config: Mapping[str, Any]) -> ExperimentConfig:
         e.sandbox_backend,
         f"must be one of {SANDBOX_BACKENDS}",
     )
-    _check(len(e.task_types) >= 1, "env.task_types", e.task_types, "must name at least one type")
 
     a = cfg.agent
     _check(a.history_turns >= 0, "agent.history_turns", a.history_turns, "must be >= 0")

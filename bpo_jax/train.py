@@ -43,18 +43,19 @@ log = logging.getLogger(__name__)
 
 def select_tasks(cfg: ExperimentConfig):
     """Training and evaluation tasks, chosen deterministically from the seed."""
-    from envs.alfworld import load_tasks  # The launcher wires ALFWorld so far.
+    from envs.base import load_tasks
 
     e = cfg.env
     root = e.data_root or None
-    train = load_tasks(root, e.train_split, task_types=list(e.task_types))
+    opts = dict(e.task_options)
+    train = load_tasks(e.name, root, e.train_split, tuple(e.task_types) or None, **opts)
     random.Random(cfg.seed).shuffle(train)
     if e.num_train_tasks:
         train = train[: e.num_train_tasks]
     if e.eval_split == e.train_split:
         evals = train[: cfg.eval.num_tasks]  # In-distribution: the training games themselves.
     else:
-        evals = load_tasks(root, e.eval_split, task_types=list(e.task_types))
+        evals = load_tasks(e.name, root, e.eval_split, tuple(e.task_types) or None, **opts)
         random.Random(cfg.seed + 1).shuffle(evals)
         evals = evals[: cfg.eval.num_tasks]
     return train, evals
@@ -213,6 +214,7 @@ def train_and_evaluate(config, workdir: str | Path) -> dict:
     env_kwargs = {
         "max_steps": cfg.env.max_steps,
         "invalid_action_penalty": cfg.env.invalid_action_penalty,
+        **dict(cfg.env.env_options),
     }
     writer = MetricWriter(workdir, enabled=jax.process_index() == 0)
     ckpt = Checkpointer(workdir / "checkpoints", max_to_keep=cfg.checkpoint.max_to_keep)

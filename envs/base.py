@@ -27,8 +27,10 @@ __all__ = [
     "StepResult",
     "Task",
     "known_envs",
+    "load_tasks",
     "make_env",
     "register_env",
+    "register_task_loader",
 ]
 
 
@@ -103,6 +105,9 @@ _F = TypeVar("_F", bound=_EnvFactory)
 
 # Name -> factory (usually the environment class). Filled by `register_env` at import time.
 _REGISTRY: dict[str, _EnvFactory] = {}
+# Name -> task loader, `loader(data_root, split, task_types, **options) -> list[Task]`.
+_TaskLoader = Callable[..., list[Task]]
+_TASK_LOADERS: dict[str, _TaskLoader] = {}
 
 # Environments shipped in this repo, imported on first use so that `make_env("alfworld")` works
 # without the caller importing the package that registers it (and without paying its import cost
@@ -171,3 +176,41 @@ def make_env(name: str, **kwargs: Any) -> Environment:
 
 def _qualified_name(obj: Any) -> str:
     return f"{getattr(obj, '__module__', '?')}.{getattr(obj, '__qualname__', repr(obj))}"
+
+
+def register_task_loader(name: str) -> Callable[[_TaskLoader], _TaskLoader]:
+    """Decorator that makes `load_tasks(name, ...)` list an environment's tasks.
+
+    The loader is called as `loader(data_root, split, task_types, **options)`: `data_root` is
+    a path or None (the environment's default, e.g. from an environment variable), `split` a
+    split name, `task_types` a tuple of task-type names or None (all), and `options` the
+    experiment's `env.task_options`.
+    """
+
+    def decorator(loader):
+        _TASK_LOADERS[name] = loader
+        return loader
+
+    return decorator
+
+
+def load_tasks(
+    name: str,
+    data_root: str | None,
+    split: str,
+    task_types: tuple[str, ...] | None = None,
+    **options: Any,
+) -> list[Task]:
+    """Lists the tasks of one split of the environment registered under `name`.
+
+    Raises:
+        ValueError: If the environment has no task loader.
+    """
+    if name not in _TASK_LOADERS and name in _BUILTIN_MODULES:
+        importlib.import_module(_BUILTIN_MODULES[name])
+    if name not in _TASK_LOADERS:
+        raise ValueError(
+            f"Environment {name!r} has no task loader. Known: {sorted(_TASK_LOADERS)}. Register "
+            "one with @register_task_loader(name) in the environment's package."
+        )
+    return _TASK_LOADERS[name](data_root, split, task_types, **options)

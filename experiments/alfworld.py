@@ -85,6 +85,8 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.env.invalid_action_penalty = 0.0 if cpu else 0.1  # Reward for an invalid/unparseable action.
     c.env.num_workers = 2 if cpu else 32  # Host-side sandbox worker processes.
     c.env.sandbox_backend = "fork"  # fork | replay (| criu | inprocess where the env allows).
+    c.env.task_options = ml_collections.ConfigDict()  # Extra task-loader arguments.
+    c.env.env_options = ml_collections.ConfigDict()  # Extra environment-constructor arguments.
 
     # Agent turn format: task + room description + the last `history_turns` (observation,
     # action) pairs + the current observation; the action is parsed from the generated text.

@@ -20,6 +20,13 @@ from envs.alfworld.data import (
     task_type_of,
 )
 from envs.alfworld.env import NOTHING_HAPPENS, AlfworldEnv, normalize_action
+from envs.base import register_task_loader
+
+
+@register_task_loader("alfworld")
+def _load(data_root, split, task_types=None, **options):
+    return load_tasks(data_root, split, task_types=task_types, **options)
+
 
 __all__ = [
     "DATA_ENV_VAR",

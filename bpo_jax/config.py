@@ -14,7 +14,18 @@ import jax.numpy as jnp
 
 from bpo_jax.models.config import PRESETS
 
-ALGOS = ("grpo", "rloo")
+# Algorithm -> (rollout topology, advantage estimator). Every algorithm resets a task once and
+# forks its rollouts; "tree" algorithms also branch online (bpo_jax.rollout).
+ALGOS = {
+    "grpo": ("independent", "grpo"),
+    "rloo": ("independent", "rloo"),
+    "gigpo": ("independent", "gigpo"),
+    "ppo": ("independent", "gae"),
+    "bpo": ("tree", "bpo"),
+    "treerl": ("tree", "treerl"),
+}
+SELECTORS = ("entropy", "uniform", "interval", "posthoc_topk")
+STEP_WEIGHTINGS = ("trajectory", "path_mass", "uniform")
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 LOSS_AGGS = ("token_mean", "seq_mean")
 SANDBOX_BACKENDS = ("fork", "replay", "criu", "inprocess")
@@ -99,6 +110,27 @@ class TrainSpec:
     loss_agg: str
     step_weighting: str
     adv_eps: float
+    normalize: str  # none | sibling_std (bpo / rloo advantages divided by the sibling std).
+    gamma: float  # PPO: discount over turns.
+    gae_lambda: float  # PPO: GAE lambda over turns.
+    value_lr: float  # PPO: learning rate of the value head.
+    value_epochs: int  # PPO: value-head passes over each batch.
+
+
+@dataclasses.dataclass(frozen=True)
+class RolloutSpec:
+    root_group: int
+    num_branches: int
+    branch_budget: int
+    max_depth: int
+    selector: str
+    entropy_quantile: float
+    entropy_window: int
+    entropy_reduce: str
+    branch_prob: float
+    interval: int
+    budget: float
+    budget_unit: str
 
 
 @dataclasses.dataclass(frozen=True)
@@ -123,6 +155,7 @@ class ExperimentConfig:
     sampler: SamplerSpec
     bc: BCSpec
     train: TrainSpec
+    rollout: RolloutSpec
     eval: EvalSpec
     checkpoint: CheckpointSpec
     log_every: int
@@ -162,6 +195,7 @@ def validate(config: Mapping[str, Any]) -> ExperimentConfig:
         "sampler": SamplerSpec,
         "bc": BCSpec,
         "train": TrainSpec,
+        "rollout": RolloutSpec,
         "eval": EvalSpec,
         "checkpoint": CheckpointSpec,
     }
@@ -251,7 +285,7 @@ def validate(config: Mapping[str, Any]) -> ExperimentConfig:
     _check(cfg.bc.lr > 0, "bc.lr", cfg.bc.lr, "must be > 0")
 
     t = cfg.train
-    _check(t.algo in ALGOS, "train.algo", t.algo, f"must be one of {ALGOS}")
+    _check(t.algo in ALGOS, "train.algo", t.algo, f"must be one of {sorted(ALGOS)}")
     _check(t.iterations >= 0, "train.iterations", t.iterations, "must be >= 0")
     _check(t.tasks_per_iter >= 1, "train.tasks_per_iter", t.tasks_per_iter, "must be >= 1")
     _check(
@@ -271,12 +305,57 @@ def validate(config: Mapping[str, Any]) -> ExperimentConfig:
     _check(t.minibatch_size >= 1, "train.minibatch_size", t.minibatch_size, "must be >= 1")
     _check(t.loss_agg in LOSS_AGGS, "train.loss_agg", t.loss_agg, f"must be one of {LOSS_AGGS}")
     _check(
-        t.step_weighting in ("trajectory", "uniform"),
+        t.step_weighting in STEP_WEIGHTINGS,
         "train.step_weighting",
         t.step_weighting,
-        "must be 'trajectory' or 'uniform'",
+        f"must be one of {STEP_WEIGHTINGS}",
     )
     _check(t.adv_eps > 0, "train.adv_eps", t.adv_eps, "must be > 0")
+    _check(
+        t.normalize in ("none", "sibling_std"),
+        "train.normalize",
+        t.normalize,
+        "must be 'none' or 'sibling_std'",
+    )
+    _check(0 <= t.gamma <= 1, "train.gamma", t.gamma, "must be in [0, 1]")
+    _check(0 <= t.gae_lambda <= 1, "train.gae_lambda", t.gae_lambda, "must be in [0, 1]")
+    _check(t.value_lr > 0, "train.value_lr", t.value_lr, "must be > 0")
+    _check(t.value_epochs >= 1, "train.value_epochs", t.value_epochs, "must be >= 1")
+
+    r = cfg.rollout
+    _check(
+        r.root_group >= 2,
+        "rollout.root_group",
+        r.root_group,
+        "must be >= 2 (without a root group the steps before the first branch point have no "
+        "siblings and get no gradient)",
+    )
+    _check(r.num_branches >= 2, "rollout.num_branches", r.num_branches, "must be >= 2")
+    _check(r.branch_budget >= 0, "rollout.branch_budget", r.branch_budget, "must be >= 0")
+    _check(r.max_depth >= 0, "rollout.max_depth", r.max_depth, "must be >= 0")
+    _check(r.selector in SELECTORS, "rollout.selector", r.selector, f"must be one of {SELECTORS}")
+    _check(
+        0 <= r.entropy_quantile <= 1,
+        "rollout.entropy_quantile",
+        r.entropy_quantile,
+        "must be in [0, 1]",
+    )
+    _check(r.entropy_window >= 1, "rollout.entropy_window", r.entropy_window, "must be >= 1")
+    _check(
+        r.entropy_reduce in ("first", "mean", "max"),
+        "rollout.entropy_reduce",
+        r.entropy_reduce,
+        "must be one of ('first', 'mean', 'max')",
+    )
+    _check(0 <= r.branch_prob <= 1, "rollout.branch_prob", r.branch_prob, "must be in [0, 1]")
+    _check(r.interval >= 1, "rollout.interval", r.interval, "must be >= 1")
+    _check(r.budget >= 0, "rollout.budget", r.budget, "must be >= 0 (0 = auto)")
+    _check(
+        r.budget_unit in ("tokens", "env_steps"),
+        "rollout.budget_unit",
+        r.budget_unit,
+        "must be 'tokens' or 'env_steps'",
+    )
 
     _check(cfg.eval.num_tasks >= 0, "eval.num_tasks", cfg.eval.num_tasks, "must be >= 0")
     _check(cfg.eval.every >= 0, "eval.every", cfg.eval.every, "must be >= 0")

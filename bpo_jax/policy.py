@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 
 from bpo_jax.models.llama import init_cache
-from bpo_jax.sampler import Sampler
+from bpo_jax.sampler import PrefillState, Sampler
 
 
 @dataclasses.dataclass
@@ -16,6 +19,28 @@ class ActionSample:
     text: str  # Decoded text (without the stop token).
     logprobs: np.ndarray
     entropies: np.ndarray
+
+
+@functools.partial(jax.jit, static_argnums=1)
+def _entropy(logits_bv, temperature: float):
+    logp = jax.nn.log_softmax(logits_bv.astype(jnp.float32) / temperature, axis=-1)
+    return -jnp.sum(jnp.exp(logp) * logp, axis=-1)
+
+
+@dataclasses.dataclass
+class PolicyContext:
+    """Prompts run through the model (their KV cache), ready to be sampled from."""
+
+    state: PrefillState
+    prompts: list[list[int]]
+
+    @property
+    def size(self) -> int:
+        return len(self.prompts)
+
+    @property
+    def prefilled_tokens(self) -> int:
+        return sum(len(p) for p in self.prompts)
 
 
 def _batch_bucket(n: int, minimum: int = 8) -> int:
@@ -63,24 +88,59 @@ class Policy:
         )
         self.model_cfg = model_cfg
 
-    def act(self, prompts: list[list[int]], rng, *, greedy: bool = False):
-        """Generates one action per prompt.
-
-        Returns:
-          (list of ActionSample, cost dict with generated_tokens and prefilled_tokens).
-        """
+    def prefill(self, prompts: list[list[int]]) -> PolicyContext:
+        """Runs the prompts through the model once; the context can then be sampled many times."""
         n = len(prompts)
-        batch = _batch_bucket(n)
         for i, p in enumerate(prompts):
             if len(p) + self.max_new_tokens > self.cache_len:
                 raise ValueError(
                     f"Prompt {i} has {len(p)} tokens; with {self.max_new_tokens} action "
                     f"tokens it exceeds the cache length {self.cache_len}."
                 )
-        filler = [self.tokenizer.pad_id]
-        rows = list(prompts) + [filler] * (batch - n)
+        batch = _batch_bucket(n)
+        rows = list(prompts) + [[self.tokenizer.pad_id]] * (batch - n)
         cache = init_cache(self.model_cfg, batch, self.cache_len)
         state = self.sampler.prefill(self.params, cache, rows)
+        return PolicyContext(state, [list(p) for p in prompts])
+
+    def next_token_entropy(self, ctx: PolicyContext) -> np.ndarray:
+        """[n] entropy of each prompt's first action token under the sampling distribution.
+
+        A function of the prompt alone (no token is sampled), which is what an unbiased online
+        branch rule may look at.
+        """
+        return np.asarray(_entropy(ctx.state.last_logits, self.temperature))[: ctx.size]
+
+    def sample(
+        self,
+        ctx: PolicyContext,
+        rng,
+        rows: list[int] | None = None,
+        *,
+        greedy: bool = False,
+        keep_context: bool = False,
+    ) -> list[ActionSample]:
+        """Samples one action per prompt of `ctx`, or one per entry of `rows` (prompt indices).
+
+        With `rows`, the prompts' KV-cache rows are gathered (duplicated as often as they are
+        listed), so several actions are drawn from one context without re-running its prefix:
+        this is how BPO samples the children of a branch point. Sampling all prompts (`rows`
+        None) consumes the context's cache (its buffers are donated) unless `keep_context`.
+        """
+        if rows is None and keep_context:
+            rows = list(range(ctx.size))
+        elif rows is not None and not keep_context and list(rows) == list(range(ctx.size)):
+            rows = None  # Every prompt once, in order: sample in place, no copy of the cache.
+        if rows is None:
+            state, n = ctx.state, ctx.size
+        else:
+            n = len(rows)
+            if n == 0:
+                return []
+            if min(rows) < 0 or max(rows) >= ctx.size:
+                raise ValueError(f"rows must index the {ctx.size} prompts, got {rows}.")
+            batch = _batch_bucket(n)
+            state = self.sampler.fork(ctx.state, list(rows) + [rows[0]] * (batch - n))
         out = self.sampler.generate(
             self.params, state, rng, temperature=0.0 if greedy else self.temperature
         )
@@ -98,8 +158,18 @@ class Policy:
                     entropies=np.asarray(out.entropies[b, :length]),
                 )
             )
+        return samples
+
+    def act(self, prompts: list[list[int]], rng, *, greedy: bool = False):
+        """Generates one action per prompt.
+
+        Returns:
+          (list of ActionSample, cost dict with generated_tokens and prefilled_tokens).
+        """
+        ctx = self.prefill(prompts)
+        samples = self.sample(ctx, rng, greedy=greedy)
         cost = {
-            "generated_tokens": int(np.sum(out.lengths[:n])),
-            "prefilled_tokens": int(sum(len(p) for p in prompts)),
+            "generated_tokens": sum(len(s.token_ids) for s in samples),
+            "prefilled_tokens": ctx.prefilled_tokens,
         }
         return samples, cost

@@ -1,36 +1,31 @@
-"""One RL iteration: group rollouts -> advantages -> clipped policy-gradient updates.
+"""One RL iteration: rollouts as a forest -> advantages -> clipped policy-gradient updates.
 
-Independent-group topology (GRPO, RLOO): per task, `group_size` rollouts forked from one reset;
-each trajectory's advantage comes from the estimator kernels (a depth-1 forest per task) and is
-given to every action token of every step of that trajectory.
+Every algorithm goes through the same pipeline (DESIGN.md, "Data flow"): the rollout engine
+returns a forest (independent groups are depth-1 forests, BPO trees are deeper), the estimator
+named by the algorithm (`config.ALGOS`) gives every step an advantage, `RolloutForest.
+step_weights` gives it a loss weight, and each step becomes one training sequence (its prompt
+followed by its action tokens). A step shared by several leaves enters the loss once.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 import time
 from collections.abc import Callable, Sequence
 
 import numpy as np
 
 from bpo_jax import learner
-from bpo_jax.config import ExperimentConfig
-from bpo_jax.estimators import tree_advantages
-from bpo_jax.rollout import Trajectory, play, success_rate
+from bpo_jax.branching import CostModel, LengthModel, make_selector
+from bpo_jax.config import ALGOS, ExperimentConfig
+from bpo_jax.estimators import step_advantages
+from bpo_jax.forest import RolloutForest
+from bpo_jax.rollout import TreeSpec, play_forest, prompt_encoder
 
 
 def round_up(n: int, multiple: int) -> int:
     return max(multiple, -(-n // multiple) * multiple)
-
-
-def group_advantages(returns_ng: np.ndarray, algo: str, eps: float) -> np.ndarray:
-    """Per-trajectory advantages for N tasks x G rollouts (a depth-1 forest per task)."""
-    n, g = returns_ng.shape
-    seg_parent = np.repeat(np.arange(n, dtype=np.int32), g)
-    seg_child = np.full((n * g,), -1, np.int32)
-    rewards = returns_ng.reshape(-1).astype(np.float32)
-    _, adv = tree_advantages(seg_parent, seg_child, rewards, num_nodes=n, method=algo, eps=eps)
-    return np.asarray(adv).reshape(n, g)
 
 
 @dataclasses.dataclass
@@ -40,30 +35,17 @@ class Example:
     tokens: list[int]
     action_start: int
     advantage: float
-    weight: float = 1.0  # Loss weight of the sequence (see `trajectories_to_examples`).
+    weight: float = 1.0  # Loss weight (see `RolloutForest.step_weights`).
 
 
-def trajectories_to_examples(
-    trajs: Sequence[Trajectory], adv: np.ndarray, step_weighting: str = "trajectory"
-) -> list[Example]:
-    """One example per step that generated tokens, carrying its trajectory's advantage.
-
-    With `step_weighting="trajectory"` each step weighs 1 / (steps in its trajectory), so every
-    trajectory contributes the same total weight, as in the per-trajectory policy gradient that
-    GRPO and RLOO estimate. `"uniform"` weighs every step 1: long (often failing) episodes then
-    dominate the gradient.
-    """
-    if step_weighting not in ("trajectory", "uniform"):
-        raise ValueError(f"Unknown step_weighting {step_weighting!r}; use trajectory or uniform.")
+def forest_examples(forest: RolloutForest, adv: np.ndarray, weights: np.ndarray) -> list[Example]:
+    """One example per step that generated tokens, with its advantage and loss weight."""
     out = []
-    for traj, a in zip(trajs, adv):
-        n = max(len(traj.steps), 1)
-        w = 1.0 / n if step_weighting == "trajectory" else 1.0
-        for step in traj.steps:
-            if step.action_ids:
-                out.append(
-                    Example(step.prompt_ids + step.action_ids, len(step.prompt_ids), float(a), w)
-                )
+    for step, a, w in zip(forest.steps(), adv, weights):
+        if step.action_ids:
+            out.append(
+                Example(step.prompt_ids + step.action_ids, len(step.prompt_ids), float(a), float(w))
+            )
     return out
 
 
@@ -156,6 +138,107 @@ class RLUpdater:
         return state, history
 
 
+@dataclasses.dataclass
+class RolloutState:
+    """What the rollouts carry from one iteration to the next: the branch rule's running
+    statistics and the measured episode lengths and tokens per action (for budgets)."""
+
+    selector: object
+    lengths: LengthModel
+    costs: CostModel
+
+    @classmethod
+    def create(cls, cfg: ExperimentConfig) -> RolloutState:
+        r = cfg.rollout
+        selector = make_selector(
+            r.selector,
+            quantile=r.entropy_quantile,
+            window=r.entropy_window,
+            branch_prob=r.branch_prob,
+            interval=r.interval,
+            seed=cfg.seed,
+        )
+        costs = CostModel(r.budget_unit, tokens_per_action=cfg.agent.max_action_tokens / 2)
+        return cls(selector, LengthModel(cfg.env.max_steps), costs)
+
+    def dump(self) -> dict:
+        """The running statistics as JSON-able data (saved with checkpoints)."""
+        recent = getattr(self.selector, "recent", None)
+        return {
+            "lengths": list(self.lengths.lengths),
+            "actions": self.costs.actions,
+            "tokens": self.costs.tokens,
+            "recent_entropies": list(recent) if recent is not None else [],
+        }
+
+    def load(self, data: dict) -> None:
+        self.lengths.lengths.extend(data.get("lengths", []))
+        self.costs.record(data.get("actions", 0), data.get("tokens", 0))
+        recent = getattr(self.selector, "recent", None)
+        if recent is not None:
+            recent.extend(data.get("recent_entropies", []))
+
+    def budget(self, cfg: ExperimentConfig) -> float:
+        """Per-task budget: the configured one, or what `group_size` episodes should cost."""
+        if cfg.rollout.budget > 0:
+            return float(cfg.rollout.budget)
+        mean_len = self.lengths.mean_length()
+        return cfg.train.group_size * self.costs.of_steps(mean_len)
+
+
+def tree_spec(cfg: ExperimentConfig, state: RolloutState) -> TreeSpec:
+    """The forest every task grows under `cfg.train.algo`."""
+    topology, _ = ALGOS[cfg.train.algo]
+    r = cfg.rollout
+    if topology == "independent":
+        return TreeSpec(root_group=cfg.train.group_size, budget_unit=r.budget_unit)
+    return TreeSpec(
+        root_group=r.root_group,
+        num_branches=r.num_branches,
+        branch_budget=r.branch_budget,
+        max_depth=r.max_depth,
+        budget=state.budget(cfg),
+        budget_unit=r.budget_unit,
+        entropy_reduce=r.entropy_reduce,
+    )
+
+
+def forest_advantages(forest: RolloutForest, cfg: ExperimentConfig, critic=None, params=None):
+    """Per-step advantages (in `forest.steps()` order) and diagnostics."""
+    _, estimator = ALGOS[cfg.train.algo]
+    t = cfg.train
+    num_steps = sum(len(s.steps) for s in forest.segments)
+    if estimator == "gae":
+        from bpo_jax.critic import gae
+
+        steps = forest.steps()
+        feats = critic.features(params, [s.prompt_ids for s in steps])
+        values = critic.values(feats)
+        f = forest.to_forest()
+        pad = len(f.step_segment) - num_steps
+        adv, returns = gae(
+            f.step_segment,
+            f.step_reward,
+            np.concatenate([values, np.zeros((pad,), np.float32)]),
+            t.gamma,
+            t.gae_lambda,
+        )
+        adv, returns = np.asarray(adv)[:num_steps], np.asarray(returns)[:num_steps]
+        value_loss = critic.fit(feats, returns, seed=len(steps))
+        adv = (adv - adv.mean()) / (adv.std() + t.adv_eps)  # PPO's batch normalisation.
+        return adv, {"train/value_loss": value_loss, "train/value_mean": float(values.mean())}
+    f = forest.to_forest(with_obs_ids=estimator == "gigpo")
+    options = {}
+    if estimator in ("bpo", "rloo", "grpo"):
+        options = {"normalize": t.normalize, "eps": t.adv_eps}
+        if estimator == "grpo":
+            options["normalize"] = "none"  # GRPO divides by the group std by definition.
+    elif estimator == "gigpo":
+        options = {"eps": t.adv_eps}
+    adv = np.asarray(step_advantages(f, estimator, **options))[:num_steps]
+    return adv, {}
+
+
 def rl_iteration(
     pool,
     policy,
@@ -165,43 +248,69 @@ def rl_iteration(
     it: int,
     rng,
     ref_params=None,
+    rollout_state: RolloutState | None = None,
+    critic=None,
 ) -> tuple[learner.TrainState, dict]:
-    """Plays a group of rollouts per task, computes advantages and updates the policy."""
+    """Grows every task's forest, computes advantages and updates the policy."""
     cfg = updater.cfg
     t = cfg.train
+    rollout_state = rollout_state or RolloutState.create(cfg)
     t0 = time.time()
     policy.params = state.params
-    trajs, stats = play(
+    spec = tree_spec(cfg, rollout_state)
+    forest = play_forest(
         pool,
         policy,
+        prompt_encoder(policy.tokenizer, cfg.agent.history_turns, cfg.agent.max_prompt_tokens),
         tasks,
-        t.group_size,
+        spec,
         rng=rng,
-        greedy=False,
-        history_turns=cfg.agent.history_turns,
-        max_prompt_tokens=cfg.agent.max_prompt_tokens,
+        selector=rollout_state.selector,
+        lengths=rollout_state.lengths,
+        costs=rollout_state.costs,
     )
     t_rollout = time.time() - t0
-    returns = np.array([tr.total_reward for tr in trajs], np.float32)
-    returns = returns.reshape(len(tasks), t.group_size)
-    adv = group_advantages(returns, t.algo, t.adv_eps).reshape(-1)
-    examples = trajectories_to_examples(trajs, adv, t.step_weighting)
+    adv, extra_metrics = forest_advantages(forest, cfg, critic, state.params)
+    weights = forest.step_weights(t.step_weighting)
+    examples = forest_examples(forest, adv, weights)
     state, history = updater.update(state, examples, seed=(cfg.seed, it, 1), ref_params=ref_params)
-    mixed = np.mean([len(set(r)) > 1 for r in returns.tolist()])
     metrics = {
         "train/iteration": it + 1,
-        "train/success": success_rate(trajs),
-        "train/return": float(returns.mean()),
-        "train/return_std": float(returns.std()),
-        "train/groups_with_signal": float(mixed),  # Groups whose returns differ.
-        "train/episode_len": float(np.mean([len(tr.steps) for tr in trajs])),
+        **rollout_metrics(forest, adv),
         "train/num_sequences": len(examples),
-        "train/faults": sum(tr.error is not None for tr in trajs),
+        "train/budget_per_task": spec.budget if math.isfinite(spec.budget) else 0.0,
         "train/rollout_seconds": t_rollout,
         "train/iteration_seconds": time.time() - t0,
-        **stats.as_dict("compute/"),
+        **extra_metrics,
+        **forest.stats.as_dict("compute/"),
     }
     if history:
         for key in history[0]:
             metrics[f"train/{key}_mean"] = float(np.mean([h[key] for h in history]))
     return state, metrics
+
+
+def rollout_metrics(forest: RolloutForest, adv: np.ndarray) -> dict:
+    """Success and return as estimates for the policy (leaves weighted by their path mass)."""
+    mass = forest.leaf_mass()
+    n_tasks = len(forest.task_ids)
+    won = np.array([leaf.won for leaf in forest.leaves], np.float64)
+    returns = np.array(
+        [sum(forest.segments[s].reward for s in leaf.segments) for leaf in forest.leaves]
+    )
+    lengths = np.array(
+        [sum(len(forest.segments[s].steps) for s in leaf.segments) for leaf in forest.leaves]
+    )
+    leaves = max(len(forest.leaves), 1)
+    return {
+        "train/success": float(np.sum(mass * won) / n_tasks),
+        "train/return": float(np.sum(mass * returns) / n_tasks),
+        "train/episode_len": float(np.sum(mass * lengths) / n_tasks),
+        "train/leaves": len(forest.leaves),
+        "train/branch_points": forest.num_branch_points,
+        "train/steps_with_signal": float(np.mean(np.abs(adv) > 1e-8)) if adv.size else 0.0,
+        "train/faults": sum(leaf.error is not None for leaf in forest.leaves),
+        "compute/task_cost_mean": float(np.mean(forest.task_cost)),
+        "compute/generated_per_leaf": forest.stats.generated_tokens / leaves,
+        "compute/prefilled_per_leaf": forest.stats.prefilled_tokens / leaves,
+    }

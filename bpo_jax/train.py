@@ -27,14 +27,15 @@ from flax import nnx
 from bpo_jax import learner
 from bpo_jax.agent import SPECIAL_SYMBOLS
 from bpo_jax.checkpoint import Checkpointer, abstract_like
-from bpo_jax.config import DTYPES, ExperimentConfig, validate
+from bpo_jax.config import ALGOS, DTYPES, ExperimentConfig, validate
+from bpo_jax.critic import Critic
 from bpo_jax.demos import bc_examples, corpus, load_or_play
 from bpo_jax.metrics import MetricWriter, progress
 from bpo_jax.models import config as model_config
 from bpo_jax.models import sharding
 from bpo_jax.models.factory import create_model
 from bpo_jax.policy import Policy
-from bpo_jax.rl import RLUpdater, minibatches, rl_iteration, round_up
+from bpo_jax.rl import RLUpdater, RolloutState, minibatches, rl_iteration, round_up
 from bpo_jax.rollout import play, success_rate
 from bpo_jax.tokenizer import load_tokenizer, train_sentencepiece
 
@@ -243,6 +244,17 @@ def train_and_evaluate(config, workdir: str | Path) -> dict:
         )
         updater = RLUpdater(graphdef, cfg, tokenizer.pad_id, writer.write)
         key = jax.random.key(cfg.seed)
+        rollout_state = RolloutState.create(cfg)
+        critic = None
+        if ALGOS[cfg.train.algo][1] == "gae":  # PPO's value head.
+            critic = Critic(
+                graphdef,
+                mcfg.hidden_size,
+                cfg.train.value_lr,
+                cfg.train.value_epochs,
+                cfg.seed,
+                tokenizer.pad_id,
+            )
 
         # BC and RL optimizers share one state structure (learner.make_optimizer), so a
         # checkpoint of either phase restores into this template.
@@ -259,9 +271,14 @@ def train_and_evaluate(config, workdir: str | Path) -> dict:
             template = {"train_state": state, "rng": key}
             if use_ref:
                 template["ref_params"] = params
+            if critic is not None:
+                template["critic"] = critic.state
             step, restored, meta = ckpt.restore(abstract_state=abstract_like(template))
             state, key = restored["train_state"], restored["rng"]
             ref_params = restored.get("ref_params")
+            if critic is not None:
+                critic.state = restored["critic"]
+            rollout_state.load(meta.get("rollout", {}))
             print(
                 f"Resumed from checkpoint at update step {step} (phase {meta['phase']}, "
                 f"RL iteration {meta['iteration']}).",
@@ -273,6 +290,9 @@ def train_and_evaluate(config, workdir: str | Path) -> dict:
             tree = {"train_state": st, "rng": key}
             if use_ref:
                 tree["ref_params"] = ref_params
+            if critic is not None:
+                tree["critic"] = critic.state
+            meta["rollout"] = rollout_state.dump()
             ckpt.save(int(st.step), tree, meta, force=force)
 
         def run_eval(name, label, salt, st):
@@ -322,6 +342,8 @@ def train_and_evaluate(config, workdir: str | Path) -> dict:
                 it,
                 jax.random.fold_in(key, it),
                 ref_params=ref_params,
+                rollout_state=rollout_state,
+                critic=critic,
             )
             meta["iteration"] = it + 1
             writer.write(int(state.step), metrics)

@@ -114,6 +114,7 @@ _TASK_LOADERS: dict[str, _TaskLoader] = {}
 # when it is not used).
 _BUILTIN_MODULES: dict[str, str] = {
     "alfworld": "envs.alfworld",
+    "tabular": "envs.tabular",
 }
 
 

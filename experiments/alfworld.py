@@ -111,7 +111,8 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
 
     # RL.
     c.train = ml_collections.ConfigDict()
-    c.train.algo = variants.get("algo", "grpo")  # Advantage estimator / rollout topology.
+    # grpo | rloo | gigpo | ppo (independent groups) | bpo | treerl (trees); see config.ALGOS.
+    c.train.algo = variants.get("algo", "grpo")
     c.train.iterations = 6 if cpu else 50  # Policy-update iterations (one rollout batch each).
     c.train.tasks_per_iter = 4 if cpu else 16
     c.train.group_size = 4 if cpu else 8  # Rollouts per task (forks of one reset).
@@ -125,11 +126,37 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.train.epochs = 1  # Passes over each rollout batch.
     c.train.minibatch_size = 64 if cpu else 128  # Sequences per gradient step.
     c.train.loss_agg = "token_mean"  # token_mean | seq_mean.
-    # Loss weight of a step: 1 / (steps in its trajectory) ("trajectory", each trajectory
-    # counts once, as in the per-trajectory policy gradient) or 1 ("uniform", an ablation in
-    # which long failing episodes dominate).
+    # Loss weight of a step. "trajectory": every root-to-leaf path counts once with weight
+    # (its probability in the tree) / (its length), the per-trajectory objective GRPO and RLOO
+    # estimate; "path_mass": the probability of the paths through the step, unnormalised by
+    # length; "uniform": 1 per step (ablation: long failing episodes and the steps after branch
+    # points dominate).
     c.train.step_weighting = "trajectory"
     c.train.adv_eps = 1e-6
+    c.train.normalize = "none"  # none | sibling_std: divide bpo/rloo advantages by sibling std.
+    c.train.gamma = 1.0  # PPO: discount over turns.
+    c.train.gae_lambda = 0.95  # PPO: GAE lambda over turns.
+    c.train.value_lr = 1e-3  # PPO: Adam learning rate of the value head.
+    c.train.value_epochs = 4  # PPO: value-head passes over each rollout batch.
+
+    # Rollout topology of the tree algorithms (bpo, treerl); independent algorithms (grpo, rloo,
+    # gigpo, ppo) play `train.group_size` forks of each task's reset. See bpo_jax/branching.py.
+    c.rollout = ml_collections.ConfigDict()
+    c.rollout.root_group = 2  # K0 backbones per task (>= 2: the first steps need siblings).
+    c.rollout.num_branches = 2 if cpu else 4  # K children per branch point (backbone + K - 1).
+    c.rollout.branch_budget = 2 if cpu else 4  # Branch points per backbone (its whole subtree).
+    c.rollout.max_depth = 2  # Nested branch points on a root-to-leaf path.
+    c.rollout.selector = "entropy"  # entropy | uniform | interval | posthoc_topk (biased).
+    c.rollout.entropy_quantile = 0.75  # Branch at or above this running quantile of entropies.
+    c.rollout.entropy_window = 512  # Recent action entropies the quantile is taken over.
+    c.rollout.entropy_reduce = "first"  # first (unbiased) | mean | max (ablations).
+    c.rollout.branch_prob = 0.2  # selector=uniform: branch probability per step.
+    c.rollout.interval = 3  # selector=interval: branch every this many steps.
+    # Per-task compute budget of every algorithm's rollouts; 0 = auto: what `group_size`
+    # independent episodes are expected to cost (running mean episode length x tokens per
+    # action, from earlier batches), so BPO and the baselines match compute.
+    c.rollout.budget = 0.0
+    c.rollout.budget_unit = "tokens"  # tokens (generated) | env_steps.
 
     # Evaluation: greedy episodes before RL (after BC) and at the end.
     c.eval = ml_collections.ConfigDict()

@@ -1,0 +1,216 @@
+"""Where a BPO tree branches: selection rules, the running entropy threshold, and the budget.
+
+A branch point is decided *online*: at step t of a path, from what the policy did at h_t (the
+entropy of the action it just sampled there) and from statistics of other paths, never from the
+path's own future. Deciding after the whole backbone is known (post-hoc top-k) lets the
+backbone's later actions choose which of its own states get siblings; that biases the estimator,
+and the rule is kept only as a documented ablation (DESIGN.md, "Two traps").
+
+Rules, chosen by name (`make_selector`):
+  entropy       branch when the action's entropy reaches a running quantile of recent action
+                entropies (the default). With `entropy_reduce="first"` the action's entropy is
+                the first token's, a function of h_t alone, so the K children of a node are K
+                independent draws from pi(.|h_t). With "mean" or "max" the statistic also
+                depends on the backbone's own later tokens, which tilts the backbone child
+                towards high-entropy continuations: a slight bias, kept as an ablation.
+  uniform       branch at any step with probability `branch_prob`.
+  interval      branch every `interval` steps (t = interval, 2 * interval, ...).
+  posthoc_topk  roll each backbone to the end, then branch at its `branch_budget` highest-entropy
+                steps (biased; needs a snapshot of every backbone step).
+
+The budget (matched compute) is per task, in generated tokens or environment steps. A branch is
+accepted only if what the task has spent, plus the expected remaining cost of its live paths,
+plus the expected cost of the K - 1 new children, stays within the budget. Expected remaining
+costs come from `LengthModel`, the lengths of recently finished paths.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+from collections.abc import Callable
+
+import numpy as np
+
+SELECTORS: dict[str, Callable[..., BranchSelector]] = {}
+ENTROPY_REDUCE = ("first", "mean", "max")
+BUDGET_UNITS = ("tokens", "env_steps")
+
+
+def register_selector(name: str):
+    def decorate(cls):
+        SELECTORS[name] = cls
+        return cls
+
+    return decorate
+
+
+def action_entropy(token_entropies: np.ndarray, reduce: str) -> float:
+    """One number per action from its per-token entropies (0 for an empty action)."""
+    e = np.asarray(token_entropies, np.float64)
+    if e.size == 0:
+        return 0.0
+    if reduce == "first":
+        return float(e[0])
+    if reduce == "mean":
+        return float(e.mean())
+    if reduce == "max":
+        return float(e.max())
+    raise ValueError(f"Unknown entropy_reduce {reduce!r}; expected one of {ENTROPY_REDUCE}.")
+
+
+class BranchSelector:
+    """Scores candidate branch points; a NaN score means "do not branch here".
+
+    `online` rules are asked at every step (`scores`); the post-hoc rule is asked once per
+    finished backbone (`choose_posthoc`). Higher scores are served first when the budget cannot
+    take every candidate of a turn.
+    """
+
+    online = True
+
+    def observe(self, entropies: np.ndarray) -> None:
+        """Sees the action entropies of one turn (all live paths)."""
+
+    def scores(self, entropies: np.ndarray, steps: np.ndarray) -> np.ndarray:
+        raise NotImplementedError
+
+    def state_dict(self) -> dict:
+        return {}
+
+
+@register_selector("entropy")
+class EntropySelector(BranchSelector):
+    """Branch where the action entropy is at or above a running quantile of recent entropies."""
+
+    def __init__(self, quantile: float = 0.8, window: int = 512, min_history: int = 16, **_):
+        if not 0.0 <= quantile <= 1.0:
+            raise ValueError(f"entropy quantile must be in [0, 1], got {quantile}.")
+        self.quantile = quantile
+        self.min_history = min_history
+        self.recent: collections.deque[float] = collections.deque(maxlen=window)
+
+    def observe(self, entropies: np.ndarray) -> None:
+        self.recent.extend(float(e) for e in np.asarray(entropies).reshape(-1))
+
+    @property
+    def threshold(self) -> float:
+        if len(self.recent) < self.min_history:
+            return float("inf")  # Too little history to know what "high" means yet.
+        return float(np.quantile(np.asarray(self.recent), self.quantile))
+
+    def scores(self, entropies: np.ndarray, steps: np.ndarray) -> np.ndarray:
+        entropies = np.asarray(entropies, np.float64)
+        return np.where(entropies >= self.threshold, entropies, np.nan)
+
+    def state_dict(self) -> dict:
+        return {"threshold": self.threshold}
+
+
+@register_selector("uniform")
+class UniformSelector(BranchSelector):
+    """Branch at any step with probability `branch_prob` (independent of the history)."""
+
+    def __init__(self, branch_prob: float = 0.2, seed: int = 0, **_):
+        if not 0.0 <= branch_prob <= 1.0:
+            raise ValueError(f"branch_prob must be in [0, 1], got {branch_prob}.")
+        self.prob = branch_prob
+        self.rng = np.random.default_rng(seed)
+
+    def scores(self, entropies: np.ndarray, steps: np.ndarray) -> np.ndarray:
+        u = self.rng.random(len(steps))
+        return np.where(u < self.prob, u, np.nan)
+
+
+@register_selector("interval")
+class IntervalSelector(BranchSelector):
+    """Branch at steps interval, 2 * interval, ... of every path."""
+
+    def __init__(self, interval: int = 3, **_):
+        if interval < 1:
+            raise ValueError(f"branch interval must be >= 1, got {interval}.")
+        self.interval = interval
+
+    def scores(self, entropies: np.ndarray, steps: np.ndarray) -> np.ndarray:
+        steps = np.asarray(steps)
+        hit = (steps > 0) & (steps % self.interval == 0)
+        return np.where(hit, -steps.astype(np.float64), np.nan)  # Earlier steps first.
+
+
+@register_selector("posthoc_topk")
+class PostHocTopK(BranchSelector):
+    """BIASED ablation: after a backbone ends, branch at its top-k entropy steps."""
+
+    online = False
+
+    def __init__(self, **_):
+        pass
+
+    def scores(self, entropies: np.ndarray, steps: np.ndarray) -> np.ndarray:
+        return np.full(len(steps), np.nan)
+
+    @staticmethod
+    def choose_posthoc(entropies: np.ndarray, k: int) -> list[int]:
+        """Indices of the k highest-entropy steps, in time order."""
+        order = np.argsort(-np.asarray(entropies, np.float64), kind="stable")[:k]
+        return sorted(int(i) for i in order)
+
+
+def make_selector(name: str, **options) -> BranchSelector:
+    if name not in SELECTORS:
+        raise ValueError(f"Unknown branch selector {name!r}; known: {sorted(SELECTORS)}.")
+    return SELECTORS[name](**options)
+
+
+class LengthModel:
+    """Expected steps still to take (the next one included) by a path that has taken t steps.
+
+    `remaining(t) = mean(L - t over recent path lengths L > t)`, from recently finished paths;
+    with no such path yet it is the worst case, `max_steps - t`, so the first trees are
+    cautious rather than over budget.
+    """
+
+    def __init__(self, max_steps: int, window: int = 2048):
+        self.max_steps = max_steps
+        self.lengths: collections.deque[int] = collections.deque(maxlen=window)
+
+    def add(self, length: int) -> None:
+        self.lengths.append(int(length))
+
+    def mean_length(self) -> float:
+        """Mean length of recent paths (the step limit before any has finished)."""
+        return float(np.mean(self.lengths)) if self.lengths else float(self.max_steps)
+
+    def remaining(self, t: int) -> float:
+        lengths = np.asarray(self.lengths)
+        longer = lengths[lengths > t]
+        if longer.size == 0:
+            return float(max(self.max_steps - t, 1))
+        return float(np.mean(longer - t))
+
+
+@dataclasses.dataclass
+class CostModel:
+    """Turns expected steps into the budget's unit (tokens use a running tokens-per-action)."""
+
+    unit: str
+    tokens_per_action: float = 8.0  # Prior, until actions have been recorded.
+    actions: int = 0
+    tokens: int = 0
+
+    def __post_init__(self):
+        if self.unit not in BUDGET_UNITS:
+            raise ValueError(f"Unknown budget unit {self.unit!r}; expected one of {BUDGET_UNITS}.")
+
+    def record(self, num_actions: int, tokens: int) -> None:
+        self.actions += num_actions
+        self.tokens += tokens
+        if self.actions:
+            self.tokens_per_action = self.tokens / self.actions
+
+    def of_steps(self, steps: float) -> float:
+        return steps * (self.tokens_per_action if self.unit == "tokens" else 1.0)
+
+    def of_actions(self, tokens: int, actions: int) -> float:
+        """What a batch of actions cost, in the budget's unit."""
+        return float(tokens if self.unit == "tokens" else actions)

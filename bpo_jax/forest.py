@@ -1,0 +1,224 @@
+"""A batch of rollouts as a forest of segments, and its conversion to the estimator's arrays.
+
+Every topology produces the same structure (DESIGN.md, "The forest"): a node is a task's initial
+state or a branch point, a segment is the run of steps from a node to the next node or to the
+end of the episode. Independent groups (GRPO, RLOO, PPO) are depth-1 forests: one root per task,
+one whole trajectory per segment. A BPO tree is deeper. A step belongs to exactly one segment, so
+a shared prefix enters the loss once, not once per leaf.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from bpo_jax.estimators import Forest, segment_weights
+
+STEP_WEIGHTINGS = ("trajectory", "path_mass", "uniform")
+
+
+@dataclasses.dataclass
+class ComputeStats:
+    """What a batch of rollouts cost (the currency of matched-compute comparisons)."""
+
+    generated_tokens: int = 0
+    prefilled_tokens: int = 0
+    env_steps: int = 0
+    resets: int = 0
+    snapshots: int = 0
+    restores: int = 0
+
+    def add(self, other: ComputeStats) -> None:
+        for f in dataclasses.fields(self):
+            setattr(self, f.name, getattr(self, f.name) + getattr(other, f.name))
+
+    def as_dict(self, prefix: str = "") -> dict[str, int]:
+        return {prefix + f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+
+
+@dataclasses.dataclass
+class StepRecord:
+    """One agent step: the prompt it saw, the tokens it generated and what came of them."""
+
+    prompt_ids: list[int]
+    action_ids: list[int]  # Generated tokens, including the stop token when one was produced.
+    logprobs: np.ndarray  # [len(action_ids)] under the sampling distribution.
+    entropies: np.ndarray  # [len(action_ids)]
+    action_text: str | None  # Parsed action (None: nothing parseable).
+    observation: str  # What the environment answered.
+    reward: float
+    state_text: str = ""  # The observation the action was taken on (GiGPO's anchor state).
+
+
+@dataclasses.dataclass
+class Trajectory:
+    task_id: str
+    group: int  # Index of the task within the batch (rollouts of one task share it).
+    steps: list[StepRecord] = dataclasses.field(default_factory=list)
+    won: bool = False
+    truncated: bool = False
+    error: str | None = None  # A sandbox fault that ended the episode, if any.
+
+    @property
+    def total_reward(self) -> float:
+        return float(sum(s.reward for s in self.steps))
+
+
+@dataclasses.dataclass
+class Segment:
+    task: int  # Index of the task in the batch.
+    parent: int  # Node the segment starts from.
+    child: int = -1  # Node it ends at; -1 when it ends the episode.
+    steps: list[StepRecord] = dataclasses.field(default_factory=list)
+
+    @property
+    def reward(self) -> float:
+        return float(sum(s.reward for s in self.steps))
+
+
+@dataclasses.dataclass
+class Leaf:
+    """The end of one root-to-leaf path: one on-policy episode."""
+
+    task: int
+    segments: list[int]  # Root to leaf.
+    won: bool = False
+    truncated: bool = False
+    error: str | None = None
+
+
+@dataclasses.dataclass
+class RolloutForest:
+    """What one batch of rollouts produced.
+
+    Attributes:
+      task_ids: the batch's tasks; node i < len(task_ids) is task i's root.
+      segments, leaves: see `Segment`, `Leaf`.
+      node_task: the task of every node (roots first, then branch points in creation order).
+      stats: the compute the batch used.
+      task_cost: [num_tasks] what each task spent, in the budget's unit.
+    """
+
+    task_ids: list[str]
+    segments: list[Segment]
+    leaves: list[Leaf]
+    node_task: list[int]
+    stats: ComputeStats
+    task_cost: np.ndarray
+
+    @property
+    def num_nodes(self) -> int:
+        return len(self.node_task)
+
+    @property
+    def num_branch_points(self) -> int:
+        return self.num_nodes - len(self.task_ids)
+
+    def steps(self) -> list[StepRecord]:
+        """Every step once, in segment order (the order of the forest's step arrays)."""
+        return [step for seg in self.segments for step in seg.steps]
+
+    def paths(self) -> list[Trajectory]:
+        """One trajectory per leaf (steps shared by several leaves appear in each)."""
+        out = []
+        for leaf in self.leaves:
+            steps = [st for s in leaf.segments for st in self.segments[s].steps]
+            out.append(
+                Trajectory(
+                    task_id=self.task_ids[leaf.task],
+                    group=leaf.task,
+                    steps=steps,
+                    won=leaf.won,
+                    truncated=leaf.truncated,
+                    error=leaf.error,
+                )
+            )
+        return out
+
+    def to_forest(self, with_obs_ids: bool = False) -> Forest:
+        """The estimator's arrays, padded to powers of two so jitted kernels compile rarely."""
+        num_seg = len(self.segments)
+        steps = self.steps()
+        s_pad, t_pad, n_pad = (_bucket(num_seg), _bucket(len(steps)), _bucket(self.num_nodes))
+        seg_parent = np.full((s_pad,), -1, np.int32)
+        seg_child = np.full((s_pad,), -1, np.int32)
+        seg_reward = np.zeros((s_pad,), np.float32)
+        step_segment = np.full((t_pad,), -1, np.int32)
+        step_reward = np.zeros((t_pad,), np.float32)
+        t = 0
+        for s, seg in enumerate(self.segments):
+            seg_parent[s], seg_child[s], seg_reward[s] = seg.parent, seg.child, seg.reward
+            for step in seg.steps:
+                step_segment[t], step_reward[t] = s, step.reward
+                t += 1
+        obs_id = None
+        if with_obs_ids:
+            # GiGPO's anchor states: steps taken on the same observation text (within a task).
+            ids: dict[tuple[int, str], int] = {}
+            obs_id = np.full((t_pad,), -1, np.int32)
+            t = 0
+            for seg in self.segments:
+                for step in seg.steps:
+                    obs_id[t] = ids.setdefault((seg.task, step.state_text), len(ids))
+                    t += 1
+        return Forest(
+            seg_parent=seg_parent,
+            seg_child=seg_child,
+            seg_reward=seg_reward,
+            num_nodes=n_pad,
+            step_segment=step_segment,
+            step_reward=step_reward,
+            step_obs_id=obs_id,
+        )
+
+    def leaf_mass(self) -> np.ndarray:
+        """Probability of each leaf's path under a uniform descent of its task's tree."""
+        w = self._segment_mass()
+        return np.array([w[leaf.segments[-1]] for leaf in self.leaves], np.float64)
+
+    def step_weights(self, mode: str) -> np.ndarray:
+        """Loss weight of every step (in `steps()` order).
+
+        trajectory: the mass-weighted mean of 1 / (path length) over the paths through the
+          step's segment, `sum over leaves l below s of w(l) / L(l)`; for an independent group
+          this is (1/N) / (trajectory length), the per-trajectory mean GRPO and RLOO estimate,
+          and the tree then estimates the same objective.
+        path_mass: `w(s)`, the probability mass of the paths through s (DESIGN.md, "Weights"):
+          the unbiased weighting of the summed (not length-averaged) policy gradient.
+        uniform: 1 per step (an ablation: over-weights steps after branch points).
+        """
+        if mode not in STEP_WEIGHTINGS:
+            raise ValueError(f"Unknown step weighting {mode!r}; expected one of {STEP_WEIGHTINGS}.")
+        num_seg = len(self.segments)
+        if mode == "uniform":
+            per_seg = np.ones((num_seg,), np.float64)
+        elif mode == "path_mass":
+            per_seg = self._segment_mass()
+        else:
+            w = self._segment_mass()
+            per_seg = np.zeros((num_seg,), np.float64)
+            for leaf in self.leaves:
+                length = sum(len(self.segments[s].steps) for s in leaf.segments)
+                for s in leaf.segments:
+                    per_seg[s] += w[leaf.segments[-1]] / max(length, 1)
+        return np.concatenate(
+            [np.full((len(seg.steps),), per_seg[s]) for s, seg in enumerate(self.segments)]
+            or [np.zeros((0,))]
+        )
+
+    def _segment_mass(self) -> np.ndarray:
+        num_seg = len(self.segments)
+        parent = np.full((_bucket(num_seg),), -1, np.int32)
+        child = np.full((_bucket(num_seg),), -1, np.int32)
+        for s, seg in enumerate(self.segments):
+            parent[s], child[s] = seg.parent, seg.child
+        w = segment_weights(parent, child, _bucket(self.num_nodes))
+        return np.asarray(w, np.float64)[:num_seg]
+
+
+def _bucket(n: int, minimum: int = 16) -> int:
+    b = minimum
+    while b < n:
+        b *= 2
+    return b

@@ -7,6 +7,7 @@ carries a hash of every action so far, so a sandbox in the wrong state is caught
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections import Counter
 
@@ -17,6 +18,7 @@ from flax import nnx
 
 from bpo_jax.agent import SPECIAL_SYMBOLS
 from bpo_jax.branching import CostModel, EntropySelector, LengthModel, make_selector
+from bpo_jax.config import validate
 from bpo_jax.estimators import tree_advantages
 from bpo_jax.models import config as model_config
 from bpo_jax.models.llama import Transformer
@@ -258,3 +260,65 @@ def test_tree_step_weights_give_every_task_unit_mass(pool, policy):
     for task in range(len(TASKS)):
         got = sum(m for m, leaf in zip(mass, forest.leaves) if leaf.task == task)
         assert got == pytest.approx(1.0)
+
+
+@pytest.fixture(scope="module")
+def walker(policy):
+    """The tiny policy after a few behaviour-cloning steps towards "inc" / "dec" at random:
+    a random walk whose episodes sometimes reach the target (rewards that vary)."""
+    from bpo_jax import learner
+    from bpo_jax.agent import EpisodeText
+
+    tok, encode = policy.tokenizer, encoder(policy)
+    rng = np.random.default_rng(0)
+    examples = []
+    for _ in range(64):
+        env = make_env("sandbox_counter", max_steps=MAX_STEPS)
+        ep = EpisodeText.start(env.reset(TASKS[0])[0], goal="reach the target")
+        for _ in range(int(rng.integers(1, MAX_STEPS))):
+            action = str(rng.choice(["inc", "dec"]))
+            prompt = encode(ep)
+            examples.append((prompt + tok.encode(" " + action) + [tok.eos_id], len(prompt)))
+            ep.record(action, env.step(action).observation)
+    opt = learner.make_optimizer(3e-3, 0.0, 0.9, 0.999, 1.0)
+    step = learner.make_train_step(policy.graphdef, opt, learner.bc_loss)
+    state = learner.TrainState(
+        jax.tree.map(jax.numpy.copy, policy.params), opt.init(policy.params), jax.numpy.zeros(())
+    )
+    for _ in range(40):
+        chunk = [examples[j] for j in rng.choice(len(examples), 16)]
+        batch = learner.pad_batch(
+            [s for s, _ in chunk], [a for _, a in chunk], batch_size=16, length=128, pad_id=0
+        )
+        state, _ = step(state, batch)
+    return Policy(
+        policy.graphdef, state.params, tok, policy.model_cfg, max_new_tokens=6, cache_len=192
+    )
+
+
+def test_gradient_probe_reports_matched_compute_variances(pool, walker):
+    from test_experiments import tiny_cpu_config
+
+    from bpo_jax.probe import run_probe
+
+    policy = walker
+    tasks = [CounterTask(task_id=f"walk-{i}", start=0, target=2) for i in range(2)]
+    cfg = validate(tiny_cpu_config(**{"env.max_steps": MAX_STEPS, "train.minibatch_size": 16}))
+    cfg = dataclasses.replace(
+        cfg,
+        rollout=dataclasses.replace(cfg.rollout, selector="interval", interval=1),
+        agent=dataclasses.replace(cfg.agent, max_prompt_tokens=96),
+    )
+    results = run_probe(
+        pool, policy, policy.graphdef, policy.params, tasks, cfg, ["grpo", "bpo"], 3,
+        jax.random.key(0), policy.tokenizer.pad_id,
+    )  # fmt: skip
+    grpo, bpo = results["grpo"], results["bpo"]
+    assert grpo["batches"] == bpo["batches"] == 3
+    assert grpo["trace_var_ratio"] == 1.0
+    for r in (grpo, bpo):
+        assert r["trace_var"] >= 0 and r["norm_var"] >= 0 and r["mean_grad_norm"] > 0
+    # BPO's budget is GRPO's measured cost: its trees spend about as much (the budget rule
+    # works with expectations, so allow some slack), and they do branch.
+    assert bpo["task_cost_mean"] <= 1.5 * grpo["task_cost_mean"]
+    assert max(bpo["leaves"]) > 2 * cfg.rollout.root_group

@@ -114,6 +114,8 @@ _TASK_LOADERS: dict[str, _TaskLoader] = {}
 # when it is not used).
 _BUILTIN_MODULES: dict[str, str] = {
     "alfworld": "envs.alfworld",
+    "swe": "envs.swe",
+    "webshop": "envs.webshop",
     "tabular": "envs.tabular",
 }
 

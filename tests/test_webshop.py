@@ -1,0 +1,711 @@
+"""Tests for the WebShop environment (envs/webshop): data checks, goals, search, scoring, pages,
+sandboxes, and the experiment config.
+
+Products come from the hand-written 40-product fixture (tests/fixtures/webshop/, labelled
+there); attributes and instructions from WebShop's real `items_ins_v2_1000.json` in
+`../shared/data/webshop`. Nothing here is a WebShop result.
+"""
+
+import copy
+import dataclasses
+import hashlib
+import importlib.util
+import json
+import pickle
+import shutil
+from pathlib import Path
+
+import pytest
+
+from bpo_jax.config import validate
+from envs import base
+from envs.sandbox import SandboxPool
+from envs.webshop import (
+    RESULTS_PER_PAGE,
+    SPLITS,
+    TASK_TYPES,
+    DataIntegrityError,
+    Goal,
+    Product,
+    WebShopEnv,
+    WebShopTask,
+    get_catalog,
+    load_tasks,
+    parse_action,
+    resolve_catalog,
+    score,
+    walkthrough,
+)
+from envs.webshop.scoring import normalize_color, option_matches, title_words
+from envs.webshop.search import SearchIndex
+from envs.webshop.tasks import human_goals, split_goals, synthetic_goals
+
+REPO = Path(__file__).resolve().parents[1]
+DATA = REPO.parent / "shared" / "data" / "webshop"
+FIXTURE = REPO / "tests" / "fixtures" / "webshop" / "items_shuffle_fixture.json"
+SPLIT_SIZES = (20, 20)
+PENALTY = 0.1
+
+
+@pytest.fixture(scope="module")
+def cache_dir(tmp_path_factory):
+    return str(tmp_path_factory.mktemp("webshop-cache"))
+
+
+@pytest.fixture(scope="module")
+def catalog_options(cache_dir):
+    return {"products_file": str(FIXTURE), "cache_dir": cache_dir}
+
+
+@pytest.fixture(scope="module")
+def tasks(catalog_options):
+    return {
+        split: load_tasks(str(DATA), split, split_sizes=SPLIT_SIZES, **catalog_options)
+        for split in SPLITS
+    }
+
+
+@pytest.fixture(scope="module")
+def catalog(tasks):
+    return get_catalog(tasks["train"][0].catalog)
+
+
+@pytest.fixture(scope="module")
+def env():
+    with WebShopEnv(max_steps=15, invalid_action_penalty=PENALTY) as env:
+        yield env
+
+
+def two_option_task(tasks):
+    """A task whose goal picks two options (walkthrough: search, item, 2 options, buy)."""
+    return next(t for t in tasks["train"] if len(t.goal.options) == 2 and len(t.walkthrough) == 5)
+
+
+# --- Data files ----------------------------------------------------------------------------------
+
+
+def test_fixture_goals_splits_and_real_attributes(tasks):
+    attributes = json.loads((DATA / "items_ins_v2_1000.json").read_text())
+    counts = {split: len(tasks[split]) for split in SPLITS}
+    assert counts == {"test": 20, "eval": 20, "train": 63}  # 103 goals (README of the fixture).
+    ids = [t.task_id for split in SPLITS for t in tasks[split]]
+    assert len(set(ids)) == len(ids) == 103
+    for split in SPLITS:
+        for task in tasks[split]:
+            assert task.split == split and task.task_id.startswith(f"{split}/")
+            assert task.task_type == task.goal.category and task.task_type in TASK_TYPES
+            real = attributes[task.goal.asin]
+            # Goals come from the real attribute file: its instruction and attributes.
+            assert task.goal.instruction.startswith(real["instruction"])
+            assert task.goal.attributes == tuple(real["instruction_attributes"])
+            assert task.goal.source == "synthetic"
+    # Goal index ranges: test [0, 20), eval [20, 40), train [40, 103).
+    index = lambda t: int(t.task_id.split("/")[1])  # noqa: E731
+    assert sorted(map(index, tasks["test"])) == list(range(20))
+    assert sorted(map(index, tasks["eval"])) == list(range(20, 40))
+    assert sorted(map(index, tasks["train"])) == list(range(40, 103))
+
+
+def test_goal_text_price_limit_and_determinism(tasks, catalog, catalog_options):
+    task = two_option_task(tasks)
+    goal, product = task.goal, catalog.get(task.goal.asin)
+    options = ", and ".join(f"{g}: {v}" for g, v in goal.options)
+    assert goal.instruction == (
+        f"{product.instruction} with {options}, and price lower than {goal.price_upper:.2f} dollars"
+    )
+    # The limit is one of the first four multiples of $10 above the price, never the first.
+    above = [10.0 * i for i in range(1, 100) if 10.0 * i > product.price][:4]
+    assert goal.price_upper in above[1:]
+    # Every option combination of the product is a goal.
+    combos = {g.options for g in synthetic_goals(catalog) if g.asin == product.asin}
+    n = 1
+    for _, values in product.options:
+        n *= len(values)
+    assert len(combos) == n
+    again = load_tasks(str(DATA), "train", split_sizes=SPLIT_SIZES, **catalog_options)
+    assert again == tasks["train"]
+
+
+def test_task_filters_and_limits(catalog_options):
+    food = load_tasks(str(DATA), "train", ["food"], split_sizes=SPLIT_SIZES, **catalog_options)
+    assert food and {t.task_type for t in food} == {"food"}
+    assert (
+        len(load_tasks(str(DATA), "train", limit=5, split_sizes=SPLIT_SIZES, **catalog_options))
+        == 5
+    )
+    with pytest.raises(ValueError, match=r"'toys'.*furniture"):
+        load_tasks(str(DATA), "train", ["toys"], **catalog_options)
+    with pytest.raises(ValueError, match="wrap it in a list"):
+        load_tasks(str(DATA), "train", "food", **catalog_options)
+    with pytest.raises(ValueError, match=r"'valid'.*train"):
+        load_tasks(str(DATA), "valid", **catalog_options)
+    with pytest.raises(ValueError, match="goal source"):
+        load_tasks(str(DATA), "train", goals="robot", **catalog_options)
+    with pytest.raises(ValueError, match="catalog"):
+        load_tasks(str(DATA), "train", catalog="medium", **catalog_options)
+
+
+def test_missing_files_say_where_to_get_them(tmp_path, monkeypatch, cache_dir):
+    # The published products file is not in the shared data root.
+    with pytest.raises(FileNotFoundError, match=r"items_shuffle_1000\.json.*setup\.sh"):
+        load_tasks(str(DATA), "test", cache_dir=cache_dir)
+    # An empty root lacks the attribute file too.
+    with pytest.raises(FileNotFoundError, match=r"items_ins_v2_1000\.json.*setup\.sh"):
+        load_tasks(str(tmp_path), "test", products_file=str(FIXTURE))
+    # Human goals need their file.
+    with pytest.raises(FileNotFoundError, match=r"items_human_ins\.json"):
+        load_tasks(str(DATA), "test", goals="human", products_file=str(FIXTURE))
+    # A missing root, from the environment variable, and the default when it is unset.
+    monkeypatch.setenv("WEBSHOP_DATA", str(tmp_path / "nowhere"))
+    with pytest.raises(FileNotFoundError, match=r"nowhere.*WEBSHOP_DATA.*setup\.sh"):
+        load_tasks(None, "test")
+    monkeypatch.delenv("WEBSHOP_DATA")
+    monkeypatch.setenv("HOME", str(tmp_path))
+    with pytest.raises(FileNotFoundError, match=r"\.cache/webshop/data.*is unset"):
+        load_tasks(None, "test")
+
+
+def test_altered_files_are_rejected(tmp_path):
+    # An attribute file with one byte changed.
+    text = (DATA / "items_ins_v2_1000.json").read_text()
+    (tmp_path / "items_ins_v2_1000.json").write_text(text.replace("Find me", "Find mE", 1))
+    with pytest.raises(DataIntegrityError, match="f88a36314a397b53") as error:
+        load_tasks(str(tmp_path), "test", products_file=str(FIXTURE))
+    assert "setup.sh" in str(error.value)
+    # The real attribute file with another product file under the published name.
+    shutil.copy(DATA / "items_ins_v2_1000.json", tmp_path / "items_ins_v2_1000.json")
+    shutil.copy(FIXTURE, tmp_path / "items_shuffle_1000.json")
+    fixture_sha = hashlib.sha256(FIXTURE.read_bytes()).hexdigest()
+    with pytest.raises(DataIntegrityError, match=f"{fixture_sha}.*30a4765c3a"):
+        load_tasks(str(tmp_path), "test")
+    # A wrong human-instruction file, picked up by goals="auto".
+    (tmp_path / "items_human_ins.json").write_text("{}")
+    with pytest.raises(DataIntegrityError, match="cf78667548"):
+        load_tasks(str(tmp_path), "test", products_file=str(FIXTURE))
+
+
+def test_human_goals_from_their_schema(catalog):
+    product = catalog.get("B07N7TDKXQ")  # Men's short sleeve tee, white/black, small..large.
+    human = {
+        "B07N7TDKXQ": [
+            {
+                "asin": "B07N7TDKXQ",
+                "instruction": "i want a white short sleeve tee shirt in large.",
+                "instruction_attributes": ["short sleeve"],
+                "instruction_options": ["white", "large"],
+            },
+            {"instruction": "no attributes: skipped", "instruction_attributes": []},
+        ]
+    }
+    (goal,) = human_goals(catalog, human)
+    assert goal.source == "human" and goal.asin == product.asin
+    assert goal.instruction.startswith("i want a white short sleeve tee shirt in large, and price")
+    assert goal.options == (("", "white"), ("", "large"))
+    actions = walkthrough(catalog, goal)
+    assert actions[-3:] == ("click[white]", "click[large]", "click[buy now]")
+
+
+# --- Search --------------------------------------------------------------------------------------
+
+
+def test_search_ranks_and_is_cached(catalog, tmp_path):
+    hits = [p.asin for p in catalog.search("screen protectors", 50)]
+    assert sorted(hits) == ["B07JMXLXNY", "B07YCGBPRD", "B083ZK4NRS"]
+    assert catalog.search("zzzz qqqq", 50) == [] and catalog.search("", 50) == []
+    assert catalog.search("the of and", 50) == []  # Stop words only.
+    broad = catalog.search("size color", 50)
+    assert len(broad) == 23 and len(catalog.search("size color", 5)) == 5
+
+    docs = [p.search_text() for p in catalog.products]
+    built = SearchIndex.build_or_load(docs, key="k", cache_dir=tmp_path)
+    (folder,) = tmp_path.iterdir()
+    assert folder.name.startswith("bm25-") and (folder / "meta.json").is_file()
+    loaded = SearchIndex._load(folder, len(docs), folder.name[len("bm25-") :])
+    for query in ("screen protectors", "size color", "gluten free crackers", "men's t-shirts"):
+        assert loaded.search(query, 50) == built.search(query, 50)
+    # A corrupt cache is rebuilt; an unwritable cache folder still gives a working index.
+    (folder / "meta.json").write_text("{")
+    rebuilt = SearchIndex.build_or_load(docs, key="k", cache_dir=tmp_path)
+    assert rebuilt.search("size color", 50) == built.search("size color", 50)
+    assert json.loads((folder / "meta.json").read_text())["num_docs"] == len(docs)
+    blocker = tmp_path / "a_file"
+    blocker.write_text("")
+    in_memory = SearchIndex.build_or_load(docs, key="k", cache_dir=blocker / "cache")
+    assert in_memory.search("size color", 50) == built.search("size color", 50)
+
+
+# --- Scoring (hand-checked) ----------------------------------------------------------------------
+
+GOAL = dict(
+    goal_attributes=["tempered glass", "glass screen"],
+    goal_option_values=["11 inch"],
+    price_upper=20.0,
+    goal_query="screen protectors",
+    goal_product_category="Electronics › Computers & Accessories › Tablet Accessories › Screen "
+    "Protectors",
+    goal_name="Tempered Glass Screen Protector for iPad Pro",
+)
+
+
+def product(**changes):
+    fields = dict(
+        asin="B000000001",
+        name="Tempered Glass Protector for iPad Pro, 2 Pack",
+        category="electronics",
+        query="screen protectors",
+        product_category=GOAL["goal_product_category"],
+        price=12.78,
+        price_tag="$12.78",
+        description="Keeps the glass screen clear.",
+        features=("9H hardness",),
+        options=(("size", ("11 inch", "12.9 inch")),),
+        rating="N.A.",
+        attributes=("tempered glass",),
+        instruction=None,
+        instruction_attributes=(),
+    )
+    fields.update(changes)
+    return Product(**fields)
+
+
+@pytest.mark.parametrize(
+    "changes, chosen, expected",
+    [
+        # 2 attributes ("glass screen" found in the description) + 1 option + price: 4/4.
+        ({}, {"size": "11 inch"}, 1.0),
+        # Wrong option: (2 + 0 + 1) / 4.
+        ({}, {"size": "12.9 inch"}, 0.75),
+        # No option chosen: (2 + 0 + 1) / 4.
+        ({}, {}, 0.75),
+        # Over the price limit: (2 + 1 + 0) / 4.
+        ({"price": 25.0}, {"size": "11 inch"}, 0.75),
+        # Neither attribute in the attributes or the text: (0 + 1 + 1) / 4.
+        (
+            {"attributes": (), "description": "", "name": "Screen Protector for iPad Pro"},
+            {"size": "11 inch"},
+            0.5,
+        ),
+        # A fuzzy attribute match ("glass screen" is a token subset) instead of the text.
+        (
+            {
+                "attributes": ("glass screen protector", "tempered glass"),
+                "description": "",
+                "name": "Screen Protector for iPad Pro",
+            },
+            {"size": "11 inch"},
+            1.0,
+        ),
+        # Another kind of product: no title word shared, so r_type = 0.
+        (
+            {
+                "name": "Torchiere Floor Lamp, Bronze Finish",
+                "query": "floor lamps",
+                "product_category": "Home & Kitchen › Lighting › Floor Lamps",
+            },
+            {"size": "11 inch"},
+            0.0,
+        ),
+        # 1 of 6 title words shared, other query, one breadcrumb level shared: r_type = 0.5.
+        (
+            {
+                "name": "Glass Camera Lens Cap",
+                "query": "lens caps",
+                "product_category": "Electronics › Camera & Photo › Lens Caps",
+            },
+            {"size": "11 inch"},
+            0.5,
+        ),
+        # Same, but two breadcrumb levels shared: r_type = 1.
+        (
+            {
+                "name": "Glass Camera Lens Cap",
+                "query": "lens caps",
+                "product_category": "Electronics › Computers & Accessories › Caps",
+            },
+            {"size": "11 inch"},
+            1.0,
+        ),
+        # Same, but the same search query: r_type = 1.
+        (
+            {"name": "Glass Camera Lens Cap", "product_category": "Electronics › Caps"},
+            {"size": "11 inch"},
+            1.0,
+        ),
+    ],
+)
+def test_score_hand_checked(changes, chosen, expected):
+    assert score(product(**changes), chosen, **GOAL).reward == pytest.approx(expected)
+
+
+def test_score_type_factor_floor_and_parts():
+    # 1 of 11 goal title words shared (< 0.1): r_type = 0.1 whatever else matches.
+    goal = dict(
+        GOAL, goal_name="alpha bravo charlie delta echo foxtrot golf hotel india juliet kilo"
+    )
+    result = score(product(name="Kilo Widget", query="widgets"), {"size": "11 inch"}, **goal)
+    assert result.title_score == pytest.approx(1 / 11) and result.r_type == 0.1
+    assert result.reward == pytest.approx(0.1)
+    parts = score(product(price=25.0), {"size": "12.9 inch"}, **GOAL)
+    assert (parts.r_att, parts.r_option, parts.r_price, parts.r_type) == (1.0, 0.0, False, 1.0)
+    assert parts.reward == pytest.approx((2 + 0 + 0) / 4)
+    # 5 of the goal title's 6 content words ("screen" is missing).
+    assert parts.query_match and parts.category_match and parts.title_score == pytest.approx(5 / 6)
+
+
+def test_colors_and_option_matching():
+    assert normalize_color("Navy Blue") == "navy"
+    assert normalize_color("heather gray") == normalize_color("Grey") == "gray"
+    assert normalize_color("light blue") == "blue"
+    assert normalize_color("32") == "32"
+    assert option_matches(["navy blue"], ["navy"]) == 1
+    assert option_matches(["black", "x-large"], ["large", "black"]) == 2  # fuzzywuzzy-style tokens.
+    assert option_matches(["medium"], ["large"]) == 0
+    assert option_matches(["18 inch"], ["22 inch"]) == 0  # token_set_ratio 72.7
+    # WebShop's fuzzy rule lets short values that differ in one number pass (87.5 > 85).
+    assert option_matches(["12 piece"], ["24 piece"]) == 1
+    assert title_words("The Men's 2 Pack T-Shirt, Size Large") == {"men's", "shirt", "large"}
+
+
+# --- Environment ---------------------------------------------------------------------------------
+
+
+def test_every_fixture_walkthrough_wins(env, tasks):
+    for split in SPLITS:
+        for task in tasks[split]:
+            observation, info = env.reset(task)
+            assert observation.startswith(f"Your task is to: {task.goal.instruction}\n")
+            assert info["goal"] == task.goal.instruction and info["page"] == "search"
+            assert task.walkthrough[0].startswith("search[")
+            for action in task.walkthrough:
+                result = env.step(action)
+                assert not result.info["invalid"], (task.task_id, action, result.observation)
+            assert result.done and result.reward == 1.0 and result.info["won"], task.task_id
+            assert not result.info["truncated"] and result.info["purchased"] == task.goal.asin
+            assert result.info["steps"] == len(task.walkthrough) <= 15
+
+
+def test_pages_and_navigation(tasks):
+    task = two_option_task(tasks)
+    env = WebShopEnv(max_steps=30)
+    env.reset(task)
+    search, item, first, second, _ = task.walkthrough
+    obs = env.step(search).observation
+    assert f"[{task.goal.asin.lower()}]" in obs and "Buttons: [back to search]" in obs
+    obs, _, _, info = env.step(item)
+    assert obs.startswith(f"Item {task.goal.asin.lower()}: ") and "[buy now]" in obs
+    assert info["page"] == "item" and "click[description]" in info["available_actions"]
+    env.step(first)
+    for page in ("description", "features", "reviews"):
+        obs, _, _, info = env.step(f"click[{page}]")
+        assert info["page"] == page and obs.startswith(f"{page.capitalize()} of item")
+        obs, _, _, info = env.step("click[< prev]")
+        assert info["page"] == "item" and f"(chosen: {first[6:-1]})" in obs  # Choice kept.
+    obs, _, _, info = env.step("click[< prev]")  # Back to the results page.
+    assert info["page"] == "results" and obs.startswith("Results for")
+    assert "(chosen:" not in env.step(item).observation  # A new visit: nothing chosen yet.
+    obs, _, _, info = env.step("click[back to search]")
+    assert info["page"] == "search" and info["available_actions"] == ["search[<query>]"]
+    env.step(search)
+    env.step(item)
+    env.step(first)
+    env.step(second)
+    result = env.step("click[buy now]")
+    assert result.reward == 1.0 and result.info["chosen_options"] == dict(task.goal.options)
+
+
+def test_pagination(env, tasks, catalog):
+    env.reset(tasks["train"][0])
+    hits = [p.asin.lower() for p in catalog.search("size color", 50)]  # 23 products.
+    obs, _, _, info = env.step("search[size color]")
+    assert obs.startswith('Results for "size color", page 1 of 3 (23 products):')
+    listed = [line.split("]")[0][1:] for line in obs.splitlines()[1:-1]]
+    assert listed == hits[:RESULTS_PER_PAGE]
+    assert obs.splitlines()[-1] == "Buttons: [back to search] [next >]"
+    assert "click[< prev]" not in info["available_actions"]
+    obs = env.step("click[next >]").observation
+    assert "page 2 of 3" in obs and obs.splitlines()[-1].endswith("[< prev] [next >]")
+    assert [line.split("]")[0][1:] for line in obs.splitlines()[1:-1]] == hits[10:20]
+    obs, _, _, info = env.step("click[next >]")
+    assert "page 3 of 3" in obs and len(obs.splitlines()) == 2 + 3  # 3 products on the last page.
+    assert "click[next >]" not in info["available_actions"]
+    obs, reward, _, info = env.step("click[next >]")  # No fourth page.
+    assert info["invalid"] and reward == -PENALTY and "page 3 of 3" in obs
+    env.step(f"click[{hits[21]}]")
+    obs = env.step("click[< prev]").observation  # Back to the page the item was on.
+    assert "page 3 of 3" in obs
+    assert "page 2 of 3" in env.step("click[< prev]").observation
+    env.step("click[back to search]")
+    obs = env.step("search[zzzz qqqq]").observation
+    assert obs == 'No products match "zzzz qqqq".\nButtons: [back to search]'
+
+
+def test_walkthrough_pages_to_a_product_listed_late(env, tasks, catalog):
+    hits = catalog.search("size color", 50)
+    target = next(p for p in hits[20:] if p.instruction)  # Listed on page 3.
+    task = next(t for split in SPLITS for t in tasks[split] if t.goal.asin == target.asin)
+    # A goal whose every candidate query is "size color", so the product is not on page 1.
+    goal = dataclasses.replace(task.goal, query="size color", instruction="size color")
+    goal = dataclasses.replace(goal, source="human")
+    actions = walkthrough(catalog, goal)
+    values = [v for _, v in task.goal.options]
+    assert actions == (
+        "search[size color]",
+        "click[next >]",
+        "click[next >]",
+        f"click[{target.asin.lower()}]",
+        *[f"click[{v}]" for v in values],
+        "click[buy now]",
+    )
+    env.reset(dataclasses.replace(task, goal=goal, walkthrough=actions))
+    for action in actions:
+        result = env.step(action)
+        assert not result.info["invalid"], (action, result.observation)
+    assert result.reward == 1.0 and result.info["won"]
+
+
+@pytest.mark.parametrize(
+    "action, page, reason",
+    [
+        (None, "search", "no action was given"),
+        ("   ", "search", "no action was given"),
+        ("buy the best one", "search", "is not search[...] or click[...]"),
+        ("click[buy now]", "search", "nothing to click on the search page"),
+        ("search[]", "search", "needs a query"),
+        ("search[more]", "results", "only works on the search page"),
+        ("click[b000000000]", "results", "[b000000000] is not on this page"),
+        ("click[buy now]", "results", "[buy now] is not on this page"),
+        ("click[purple]", "item", "[purple] is not on this page"),
+        ("click(buy now)", "item", "is not search[...] or click[...]"),
+    ],
+)
+def test_malformed_and_unavailable_actions(env, tasks, action, page, reason):
+    task = two_option_task(tasks)
+    env.reset(task)
+    steps = {"search": 0, "results": 1, "item": 2}[page]
+    before = None
+    for a in task.walkthrough[:steps]:
+        before = env.step(a)
+    obs, reward, done, info = env.step(action)
+    head = obs.splitlines()[0]
+    assert head.startswith("Invalid action: ") and reason in head and "Valid here: " in head
+    assert reward == -PENALTY and not done and info["invalid"] and info["page"] == page
+    if before is not None:  # The page is shown again, unchanged.
+        assert obs.split("\n", 1)[1] == before.observation
+        assert info["available_actions"] == before.info["available_actions"]
+    for a in task.walkthrough[steps:]:  # Nothing changed: the walkthrough still wins.
+        result = env.step(a)
+    assert result.reward == 1.0 and result.info["won"]
+
+
+@pytest.mark.parametrize(
+    "raw, expected",
+    [
+        ("search[Red Shoes]", ("search", "Red Shoes")),
+        ("  Click [ Buy  Now ] . ", ("click", "buy now")),
+        ("CLICK[B07JMXLXNY]", ("click", "b07jmxlxny")),
+        ("click[< prev]", ("click", "< prev")),
+        ("search red shoes", None),
+        (None, None),
+    ],
+)
+def test_parse_action(raw, expected):
+    assert parse_action(raw) == expected
+
+
+def test_partial_purchase_and_step_limit(tasks):
+    task = two_option_task(tasks)
+    with WebShopEnv(max_steps=3) as env:
+        env.reset(task)
+        env.step(task.walkthrough[0])
+        env.step(task.walkthrough[1])
+        obs, reward, done, info = env.step("click[buy now]")  # No option chosen.
+        n = len(task.goal.attributes)
+        assert reward == pytest.approx((n + 0 + 1) / (n + 2 + 1)) and done and not info["won"]
+        assert info["score"]["r_option"] == 0.0 and obs.startswith("You bought item")
+        assert info["steps"] == 3 and not info["truncated"]  # Bought on the last step.
+        with pytest.raises(RuntimeError, match="after the episode"):
+            env.step("click[buy now]")
+        env.reset(task)
+        env.step(task.walkthrough[0])
+        env.step("click[< prev]")  # Invalid: no penalty by default.
+        obs, reward, done, info = env.step(task.walkthrough[1])
+        assert done and info["truncated"] and not info["won"] and reward == 0.0
+        assert info["steps"] == 3
+
+
+def test_misuse_and_constructor_checks(tasks):
+    env = WebShopEnv()
+    with pytest.raises(RuntimeError, match="before reset"):
+        env.step("search[x]")
+    with pytest.raises(TypeError, match="WebShopTask"):
+        env.reset(base.Task(task_id="x"))
+    stray = dataclasses.replace(
+        tasks["test"][0], goal=dataclasses.replace(tasks["test"][0].goal, asin="B0NOTHERE0")
+    )
+    with pytest.raises(RuntimeError, match="not in the catalog"):
+        env.reset(stray)
+    for kwargs, message in [
+        ({"max_steps": 0}, "max_steps"),
+        ({"max_steps": 2.5}, "max_steps"),
+        ({"invalid_action_penalty": -1.0}, "invalid_action_penalty"),
+        ({"title_chars": 3}, "title_chars"),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            WebShopEnv(**kwargs)
+
+
+def test_registry_protocol_and_options(tasks, catalog_options):
+    env = base.make_env("webshop", max_steps=7, title_chars=20, text_chars=30)
+    assert isinstance(env, WebShopEnv) and isinstance(env, base.Environment)
+    assert env.max_steps == 7
+    got = base.load_tasks(
+        "webshop", str(DATA), "eval", None, split_sizes=SPLIT_SIZES, **catalog_options
+    )
+    assert got == tasks["eval"] and isinstance(got[0], WebShopTask)
+    task = two_option_task(tasks)
+    env.reset(task)
+    obs = env.step(task.walkthrough[0]).observation
+    for line in obs.splitlines()[1:-1]:
+        title = line.split("] ", 1)[1].rsplit(" $", 1)[0]
+        assert len(title) <= 20
+    env.step(task.walkthrough[1])
+    assert len(env.step("click[description]").observation.splitlines()[0]) <= 30 + 40
+    # show_goal_every_page repeats the instruction on later pages.
+    loud = WebShopEnv(show_goal_every_page=True)
+    loud.reset(task)
+    assert loud.step(task.walkthrough[0]).observation.startswith("Your task is to: ")
+    # preload reads the catalog in the constructor (an error names the file it misses).
+    WebShopEnv(preload=True, data_root=str(DATA), **catalog_options)
+    with pytest.raises(FileNotFoundError, match="items_shuffle_1000"):
+        WebShopEnv(preload=True, data_root=str(DATA), cache_dir=catalog_options["cache_dir"])
+
+
+def test_copies_continue_independently(env, tasks):
+    task = two_option_task(tasks)
+    env.reset(task)
+    for a in task.walkthrough[:2]:
+        env.step(a)
+    clone = copy.deepcopy(env)
+    assert clone._catalog is env._catalog  # Shared, not copied.
+    restored = pickle.loads(pickle.dumps(env))
+    assert len(pickle.dumps(env)) < 20_000
+    rest = task.walkthrough[2:]
+    expected = [tuple(env.step(a)) for a in rest]
+    assert [tuple(clone.step(a)) for a in rest] == expected
+    assert [tuple(restored.step(a)) for a in rest] == expected
+
+
+# --- Sandboxes -----------------------------------------------------------------------------------
+
+
+def _reference(task, actions):
+    """(observation, reward, done, info) of `actions` from a fresh reset (the replay reference)."""
+    with WebShopEnv(max_steps=15, invalid_action_penalty=PENALTY) as fresh:
+        first = fresh.reset(task)
+        return first, [tuple(fresh.step(a)) for a in actions]
+
+
+@pytest.mark.parametrize("backend_name", ["fork", "inprocess", "replay"])
+def test_sandbox_snapshot_fork_and_replay(backend_name, tasks, catalog_options):
+    task = two_option_task(tasks)
+    prefix, branch_a = list(task.walkthrough[:2]), list(task.walkthrough[2:])
+    branch_b = ["click[description]", "click[< prev]", "click[nowhere]", "click[buy now]"]
+    first, ref_prefix = _reference(task, prefix)
+    ref_a = _reference(task, prefix + branch_a)[1][len(prefix) :]
+    ref_b = _reference(task, prefix + branch_b)[1][len(prefix) :]
+    assert ref_a[-1][1] == 1.0 and 0.0 < ref_b[-1][1] < 1.0
+
+    kwargs = {
+        "max_steps": 15,
+        "invalid_action_penalty": PENALTY,
+        "preload": True,
+        "data_root": str(DATA),
+        **catalog_options,
+    }
+    with SandboxPool("webshop", kwargs, backend=backend_name, num_workers=2) as pool:
+        sid, observation, info = pool.reset(task)
+        assert (observation, info) == first
+        assert [tuple(pool.step(sid, a)) for a in prefix] == ref_prefix
+        handle = pool.snapshot(sid)
+        a, b = pool.fork(handle, 2)
+        got_a, got_b = [], []
+        for x, y in zip(branch_a, branch_b):  # Interleaved: the forks are independent.
+            ra, rb = pool.step_many([(a, x), (b, y)])
+            got_a.append(tuple(ra))
+            got_b.append(tuple(rb))
+        got_b += [tuple(pool.step(b, y)) for y in branch_b[len(branch_a) :]]
+        assert got_a == ref_a and got_b == ref_b
+        # The snapshotted sandbox goes on by itself, and a restore replays identically.
+        assert [tuple(pool.step(sid, x)) for x in branch_b[:2]] == ref_b[:2]
+        pool.restore(sid, handle)
+        assert [tuple(pool.step(sid, x)) for x in branch_a] == ref_a
+        pool.release(handle)
+
+
+# --- Experiment config ---------------------------------------------------------------------------
+
+
+def _experiment():
+    path = REPO / "experiments" / "webshop.py"
+    spec = importlib.util.spec_from_file_location("webshop_experiment", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_experiment_config_shares_catalog_fields():
+    module = _experiment()
+    cpu = module.get_config("cpu")
+    assert Path(cpu.env.task_options.products_file) == FIXTURE and FIXTURE.is_file()
+    assert validate(cpu).env.env_options["products_file"] == str(FIXTURE)
+    cpu.env.data_root = "/data/webshop"  # One override reaches the loader's and the env's copy.
+    cpu.env.task_options.cache_dir = "/scratch/cache"
+    v = validate(cpu)
+    assert v.env.env_options["data_root"] == "/data/webshop"
+    assert v.env.env_options["cache_dir"] == "/scratch/cache"
+    full = module.get_config("model=llama3_1_8b,algo=rloo")
+    full.model.hf_checkpoint = "/path/to/Llama-3.1-8B-Instruct"
+    v = validate(full)
+    assert v.env.max_steps == 15 and v.env.task_options["products_file"] == ""
+    assert v.env.task_options["split_sizes"] == (500, 1000) and v.train.algo == "rloo"
+    options = {k: x for k, x in v.env.env_options.items() if k != "preload"}
+    WebShopEnv(max_steps=15, **options)  # The env accepts every option the config passes.
+    assert resolve_catalog(str(DATA), products_file=str(FIXTURE)).name == "custom"
+
+
+@pytest.mark.slow
+def test_cpu_variant_trains_two_iterations(tmp_path):
+    """The webshop cpu config, shrunk, runs BC and two GRPO iterations end to end."""
+    from bpo_jax.metrics import read_metrics
+    from bpo_jax.train import train_and_evaluate
+
+    cfg = _experiment().get_config("cpu")
+    cfg.env.data_root = str(DATA)
+    cfg.env.task_options.cache_dir = str(tmp_path / "cache")
+    cfg.env.num_train_tasks = 2
+    cfg.env.max_steps = 6
+    cfg.eval.num_tasks = 2
+    cfg.bc.steps = 4
+    cfg.bc.batch_size = 8
+    cfg.train.iterations = 2
+    cfg.train.tasks_per_iter = 1
+    cfg.train.group_size = 2
+    cfg.train.minibatch_size = 8
+    cfg.agent.max_prompt_tokens = 224
+    cfg.model.max_seq_len = 256
+    cfg.checkpoint.every = 1
+    summary = train_and_evaluate(cfg, tmp_path / "run")
+    assert summary["iterations"] == 2
+    for key in ("success_initial", "success_before_rl", "success_after_rl"):
+        assert 0.0 <= summary[key] <= 1.0
+    demos = json.loads((tmp_path / "run" / "expert_demos.json").read_text())
+    assert len(demos) == 2 and all(d["won"] for d in demos)
+    iters = [r for r in read_metrics(tmp_path / "run") if "train/iteration" in r]
+    assert [r["train/iteration"] for r in iters] == [1, 2]
+    assert all(r["compute/env_steps"] > 0 for r in iters)
+
+
+def test_goal_dataclasses_are_hashable_and_picklable(tasks):
+    task = tasks["test"][0]
+    assert isinstance(task.goal, Goal) and hash(task) == hash(pickle.loads(pickle.dumps(task)))
+    assert split_goals([], "train") == []

@@ -1,0 +1,53 @@
+"""Repository repair in the SWE-bench instance schema, registered as env "swe".
+
+- Tasks: `python -m envs.swe.build --out DIR` builds them from PyPI packages (bugs injected into
+  their functions, checked against their own test suites); `load_tasks(DIR, split)` lists them.
+  SWE-bench Verified instances load with `source="swebench"` and run in Docker.
+- Environment: `make_env("swe", max_steps=30)`; the tool grammar is in `envs.swe.tools`, the
+  sandboxing in `envs.swe.jail`.
+
+Example:
+    from envs.swe import load_tasks
+    from envs.base import make_env
+
+    tasks = load_tasks(None, "train")  # data root from $SWE_TASKS_DIR
+    env = make_env("swe", max_steps=30)
+    observation, info = env.reset(tasks[0])
+    for action in tasks[0].walkthrough:
+        observation, reward, done, info = env.step(action)
+"""
+
+from envs.base import register_task_loader
+from envs.swe.data import (
+    DATA_ENV_VAR,
+    DEFAULT_DATA_ROOT,
+    SPLITS,
+    SweTask,
+    load_swebench,
+    load_tasks,
+    resolve_data_root,
+)
+from envs.swe.env import SweEnv
+from envs.swe.jail import JailUnavailableError, Limits, run_in_jail
+from envs.swe.tools import HELP
+
+
+@register_task_loader("swe")
+def _load(data_root, split, task_types=None, **options):
+    return load_tasks(data_root, split, task_types=task_types, **options)
+
+
+__all__ = [
+    "DATA_ENV_VAR",
+    "DEFAULT_DATA_ROOT",
+    "HELP",
+    "SPLITS",
+    "JailUnavailableError",
+    "Limits",
+    "SweEnv",
+    "SweTask",
+    "load_swebench",
+    "load_tasks",
+    "resolve_data_root",
+    "run_in_jail",
+]

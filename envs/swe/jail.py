@@ -1,0 +1,316 @@
+"""Runs one command in a throw-away jail built from a base tree plus in-memory edits.
+
+A jail is `unshare --mount --net --pid --fork --kill-child` around `jail_init.py` (process 1 of
+the new PID namespace, see there): a chroot on a private tmpfs that shows the system folders and
+the interpreter read-only and a copy of the tree at `/tmp/testbed`, loopback-only networking, a
+fresh unprivileged uid, per-process rlimits and (where cgroup v1 is writable) per-jail memory
+and task cgroups, and a wall-clock timeout. Everything the command starts or writes lives in
+the namespaces and is gone when the call returns; the files it created or changed come back as
+`JailResult.changes`, so the caller can keep them (in memory) if it wants. `setpriv
+--pdeathsig` ties the jail to the calling process: if that dies, the jail dies with it.
+
+Nothing of a jail outlives the call, which is what makes the sandboxes that use it snapshottable
+by plain `os.fork()` (the fork backend) as well as by CRIU: between steps there is no process
+and no file to copy, only the Python object that holds the edits.
+
+Needs root (to create the namespaces and switch uid) and util-linux's `unshare` and `setpriv`.
+"""
+
+from __future__ import annotations
+
+import base64
+import dataclasses
+import json
+import os
+import secrets
+import shutil
+import subprocess
+import sys
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+__all__ = [
+    "JAIL_ROOT",
+    "Limits",
+    "JailResult",
+    "JailUnavailableError",
+    "check_jail",
+    "run_in_jail",
+]
+
+JAIL_ROOT = "/tmp/testbed"  # Where the tree is inside a jail (the command's working folder).
+_INIT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "jail_init.py")
+_PLUGIN = os.path.join(os.path.dirname(os.path.abspath(__file__)), "pytest_report.py")
+_PLUGIN_NAME = "bpo_swe_report"
+# Unprivileged uids for jails: one drawn at random per command, far above any real account, so
+# that the per-uid process limit (RLIMIT_NPROC) counts that command's processes alone.
+_UID_BASE, _UID_SPAN = 1 << 30, 1 << 29
+# Grace for the jail's own set-up and clean-up on top of the command's timeout.
+_SLACK_S = 30.0
+
+
+class JailUnavailableError(RuntimeError):
+    """Jails cannot run on this machine (not root, or `unshare` missing); the message says why."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Limits:
+    """Resource limits of one jailed command.
+
+    Attributes:
+        timeout_s: Wall-clock seconds before every process of the command is killed.
+        cpu_s: CPU seconds per process (RLIMIT_CPU).
+        memory_mb: Address space per process (RLIMIT_AS), in MiB.
+        processes: Processes and threads the command's uid may have at once (RLIMIT_NPROC).
+        file_mb: Largest file the command may write, its output included (RLIMIT_FSIZE), MiB.
+        tmpfs_mb: Size of the jail's /tmp (the tree, temporary files, the output), MiB.
+        open_files: Open file descriptors per process (RLIMIT_NOFILE).
+        output_chars: Output returned to the caller: this many characters, head and tail.
+        capture_kb: Largest changed file brought back, KiB (larger ones are listed in
+            `JailResult.ignored`).
+        capture_mb: Most bytes of changed files in all (and of the pytest report) brought back.
+    """
+
+    timeout_s: float = 30.0
+    cpu_s: int = 60
+    memory_mb: int = 2048
+    processes: int = 64
+    file_mb: int = 16
+    tmpfs_mb: int = 256
+    open_files: int = 1024
+    output_chars: int = 20000
+    capture_kb: int = 1024
+    capture_mb: int = 16
+
+    def __post_init__(self):
+        for field in dataclasses.fields(self):
+            value = getattr(self, field.name)
+            if not value > 0:
+                raise ValueError(f"Limits.{field.name} must be positive, got {value!r}.")
+        if self.file_mb >= self.tmpfs_mb:
+            raise ValueError(
+                f"Limits.file_mb ({self.file_mb}) must be below tmpfs_mb ({self.tmpfs_mb}): the "
+                "output file lives on the jail's tmpfs."
+            )
+
+    def to_request(self) -> dict[str, Any]:
+        return {
+            "timeout_s": self.timeout_s,
+            "cpu_s": self.cpu_s,
+            "memory_bytes": self.memory_mb << 20,
+            "processes": self.processes,
+            "file_bytes": self.file_mb << 20,
+            "tmpfs_bytes": self.tmpfs_mb << 20,
+            "open_files": self.open_files,
+            "output_chars": self.output_chars,
+            "capture_file_bytes": self.capture_kb << 10,
+            "capture_bytes": self.capture_mb << 20,
+        }
+
+
+@dataclasses.dataclass
+class JailResult:
+    """What a jailed command did.
+
+    Attributes:
+        exit_code: Its exit status, or None if it was killed by a signal or timed out.
+        signal: Name of the signal that killed it (e.g. "SIGXFSZ" past the file-size limit).
+        timed_out: It ran past `Limits.timeout_s` and was killed with everything it started.
+        elapsed_s: Wall-clock seconds it ran.
+        output: Its stdout and stderr together (head and tail if long).
+        output_bytes: Total bytes it wrote to stdout and stderr.
+        changes: Files it created or changed (relative path -> bytes) or deleted (-> None),
+            caches (`__pycache__`, `.pytest_cache`) left out. Empty unless asked for.
+        ignored: Changed paths not brought back (too large, not a regular file).
+        report: The pytest report lines (see `pytest_report.py`), or None.
+        cgroups: Controllers ("memory", "pids") whose per-jail cgroup capped the command's
+            processes together; empty where no writable cgroup v1 hierarchy exists (then only
+            the per-process rlimits apply).
+        error: Set when the jail itself could not be built; the other fields are then empty.
+    """
+
+    exit_code: int | None = None
+    signal: str | None = None
+    timed_out: bool = False
+    elapsed_s: float = 0.0
+    output: str = ""
+    output_bytes: int = 0
+    changes: dict[str, bytes | None] = dataclasses.field(default_factory=dict)
+    ignored: list[str] = dataclasses.field(default_factory=list)
+    report: list[dict[str, Any]] | None = None
+    cgroups: list[str] = dataclasses.field(default_factory=list)
+    error: str | None = None
+
+
+_checked: dict[str, str] = {}
+_prefixes: dict[str, tuple[str, ...]] = {}
+
+
+def interpreter_paths(python: str) -> tuple[str, ...]:
+    """Folders a jail must show for `python` to run: its venv and its base installation."""
+    if python not in _prefixes:
+        if os.path.realpath(python) == os.path.realpath(sys.executable):
+            found = [sys.prefix, sys.base_prefix, sys.exec_prefix, sys.base_exec_prefix]
+        else:
+            out = subprocess.run(
+                [python, "-c", "import sys; print(sys.prefix, sys.base_prefix, sys.exec_prefix)"],
+                capture_output=True, text=True, timeout=60, check=True,
+            ).stdout  # fmt: skip
+            found = out.split()
+        found.append(os.path.dirname(os.path.abspath(python)))
+        paths = {os.path.abspath(p) for p in found} | {os.path.realpath(p) for p in found}
+        # Keep the outermost folders: one inside another (or inside /usr, which every jail
+        # shows) is shown with it.
+        outer = [
+            p for p in paths
+            if not any(p.startswith(q.rstrip("/") + "/") for q in paths | {"/usr"} if q != p)
+        ]  # fmt: skip
+        _prefixes[python] = tuple(sorted(p for p in outer if p != "/usr"))
+    return _prefixes[python]
+
+
+def check_jail() -> None:
+    """Raises `JailUnavailableError` unless jails can run here (cached per process)."""
+    if "reason" not in _checked:
+        reason = ""
+        if os.geteuid() != 0:
+            reason = (
+                f"The SWE sandbox jails need root (mount, network and PID namespaces and a "
+                f"switch to an unprivileged uid); this process runs as uid {os.geteuid()}. Run "
+                "as root, or use executor='docker' on a machine with Docker."
+            )
+        else:
+            missing = [tool for tool in ("unshare", "setpriv") if shutil.which(tool) is None]
+            if missing:
+                reason = (
+                    f"The SWE sandbox jails need util-linux's {' and '.join(missing)} on PATH "
+                    "(apt-get install util-linux)."
+                )
+        _checked["reason"] = reason
+    if _checked["reason"]:
+        raise JailUnavailableError(_checked["reason"])
+
+
+def run_in_jail(
+    base: str,
+    files: Mapping[str, bytes | None],
+    argv: Sequence[str],
+    *,
+    limits: Limits,
+    env: Mapping[str, str] | None = None,
+    cwd: str = ".",
+    capture: bool = False,
+    pytest_report: bool = False,
+    python: str | None = None,
+    read_only: Sequence[str] = (),
+) -> JailResult:
+    """Runs `argv` in a jail holding a copy of `base` with `files` applied on top.
+
+    Args:
+        base: Folder with the read-only base tree.
+        files: Overlay: relative path -> new content, or None to delete the file.
+        argv: The command and its arguments (run as is, no shell).
+        limits: Resource limits and timeout.
+        env: Extra environment variables (PATH, HOME, TMPDIR, ... are set already).
+        cwd: Working folder relative to the tree's root.
+        capture: Bring back the files the command created, changed or deleted.
+        pytest_report: Put the report plugin on PYTHONPATH (load it with `-p bpo_swe_report`)
+            and bring back its report.
+        python: Interpreter that runs `jail_init.py` and comes first on the command's PATH
+            (default: this one). Its installation is shown read-only inside the jail.
+        read_only: More host folders to show read-only at their own paths (the jail shows only
+            /usr, /etc, the /bin and /lib links, and the interpreter's installation).
+
+    Returns:
+        The result; `result.error` says why if the jail could not be built.
+
+    Raises:
+        JailUnavailableError: If jails cannot run here.
+    """
+    check_jail()
+    python = python or sys.executable
+    environ = {
+        "PATH": f"{os.path.dirname(python)}:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/bin",
+        "HOME": "/tmp/home",
+        "TMPDIR": "/tmp",
+        "USER": "sandbox",
+        "LOGNAME": "sandbox",
+        "LANG": "C.UTF-8",
+        "LC_ALL": "C.UTF-8",
+        "PYTHONHASHSEED": "0",
+        "PYTHONDONTWRITEBYTECODE": "1",
+        "PYTHONUNBUFFERED": "1",
+        "PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1",
+    }
+    environ.update(env or {})
+    request: dict[str, Any] = {
+        "base": os.path.abspath(base),
+        "files": {
+            path: None if content is None else base64.b64encode(content).decode()
+            for path, content in files.items()
+        },
+        "argv": list(argv),
+        "cwd": cwd,
+        "env": environ,
+        "uid": _UID_BASE + secrets.randbelow(_UID_SPAN),
+        "limits": limits.to_request(),
+        "capture": capture,
+        "read_only": sorted(set(interpreter_paths(python)) | set(read_only)),
+    }
+    if pytest_report:
+        with open(_PLUGIN) as f:
+            request["plugin"] = (f"{_PLUGIN_NAME}.py", f.read())
+        report_dir = "/tmp/.report"
+        environ["BPO_SWE_REPORT"] = f"{report_dir}/report.jsonl"
+        environ["PYTHONPATH"] = ":".join(
+            p for p in ("/tmp/.plugin", environ.get("PYTHONPATH", "")) if p
+        )
+    command = [
+        "setpriv", "--pdeathsig", "KILL", "--",
+        "unshare", "--mount", "--net", "--pid", "--fork", "--kill-child",
+        "--propagation", "private",
+        python, "-I", "-S", _INIT,
+    ]  # fmt: skip
+    proc = subprocess.Popen(
+        command,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        close_fds=True,
+    )
+    try:
+        out, err = proc.communicate(
+            json.dumps(request).encode(), timeout=limits.timeout_s + _SLACK_S
+        )
+    except subprocess.TimeoutExpired:
+        proc.kill()  # --kill-child then kills the jail's process 1, and with it the namespace.
+        proc.communicate()
+        return JailResult(
+            error=f"the jail did not finish within {limits.timeout_s + _SLACK_S:.0f} s and was "
+            "killed"
+        )
+    try:
+        reply = json.loads(out)
+    except ValueError:
+        detail = (err or out).decode("utf-8", "replace").strip()[-1500:]
+        return JailResult(
+            error=f"the jail exited with status {proc.returncode} without a reply: {detail}"
+        )
+    if reply.get("error"):
+        return JailResult(error=reply["error"])
+    changes = {
+        path: None if content is None else base64.b64decode(content)
+        for path, content in (reply.get("changes") or {}).items()
+    }
+    return JailResult(
+        exit_code=reply.get("exit_code"),
+        signal=reply.get("signal"),
+        timed_out=bool(reply.get("timed_out")),
+        elapsed_s=float(reply.get("elapsed_s", 0.0)),
+        output=reply.get("output", ""),
+        output_bytes=int(reply.get("output_bytes", 0)),
+        changes=changes,
+        ignored=list(reply.get("ignored") or ()),
+        report=reply.get("report"),
+        cgroups=list(reply.get("cgroups") or ()),
+    )

@@ -192,7 +192,6 @@ def main(argv):
     from bpo_jax.config import validate
     from bpo_jax.metrics import MetricWriter
     from bpo_jax.models import sharding
-    from bpo_jax.policy import Policy
     from envs.sandbox import SandboxPool
 
     f = flags.FLAGS
@@ -227,17 +226,7 @@ def main(argv):
         step, restored, _ = ckpt.restore(abstract_state=abstract_like(template))
         params = restored["train_state"].params
         ckpt.close()
-        policy = Policy(
-            graphdef,
-            params,
-            tokenizer,
-            mcfg,
-            max_new_tokens=cfg.agent.max_action_tokens,
-            cache_len=cfg.agent.max_prompt_tokens + cfg.agent.max_action_tokens,
-            temperature=cfg.sampler.temperature,
-            top_p=cfg.sampler.top_p,
-            length_bucket=cfg.sampler.length_bucket,
-        )
+        policy = train.make_policy(cfg, graphdef, params, tokenizer, mcfg)
         results = run_probe(
             pool,
             policy,

@@ -103,6 +103,21 @@ def build_model(cfg: ExperimentConfig, tokenizer, mesh):
     return mcfg, create_model(mcfg, mesh=mesh, rules=cfg.mesh.rules, seed=cfg.seed)
 
 
+def make_policy(cfg: ExperimentConfig, graphdef, params, tokenizer, mcfg) -> Policy:
+    """The acting policy with the experiment's sampling settings and prompt budget."""
+    return Policy(
+        graphdef,
+        params,
+        tokenizer,
+        mcfg,
+        max_new_tokens=cfg.agent.max_action_tokens,
+        cache_len=cfg.agent.max_prompt_tokens + cfg.agent.max_action_tokens,
+        temperature=cfg.sampler.temperature,
+        top_p=cfg.sampler.top_p,
+        length_bucket=cfg.sampler.length_bucket,
+    )
+
+
 def evaluate(pool, policy, tasks, cfg: ExperimentConfig, rng, label: str) -> dict:
     """Greedy episodes, one per task; success rate and friends."""
     if not tasks:
@@ -231,17 +246,7 @@ def train_and_evaluate(config, workdir: str | Path) -> dict:
         mcfg, model = build_model(cfg, tokenizer, mesh)
         graphdef, params = nnx.split(model)
         del model
-        policy = Policy(
-            graphdef,
-            params,
-            tokenizer,
-            mcfg,
-            max_new_tokens=cfg.agent.max_action_tokens,
-            cache_len=cfg.agent.max_prompt_tokens + cfg.agent.max_action_tokens,
-            temperature=cfg.sampler.temperature,
-            top_p=cfg.sampler.top_p,
-            length_bucket=cfg.sampler.length_bucket,
-        )
+        policy = make_policy(cfg, graphdef, params, tokenizer, mcfg)
         updater = RLUpdater(graphdef, cfg, tokenizer.pad_id, writer.write)
         key = jax.random.key(cfg.seed)
         rollout_state = RolloutState.create(cfg)
@@ -312,7 +317,10 @@ def train_and_evaluate(config, workdir: str | Path) -> dict:
                     demos, tokenizer, cfg.agent.history_turns, cfg.agent.max_prompt_tokens
                 )
                 if not examples:
-                    raise RuntimeError("No winning walkthrough to clone: check the ALFWorld data.")
+                    raise RuntimeError(
+                        f"No winning walkthrough to clone among the {cfg.env.name} training "
+                        "tasks: check the environment's data root and task selection."
+                    )
                 state = behaviour_cloning(
                     cfg, graphdef, state, meta, examples, tokenizer.pad_id, writer, save
                 )

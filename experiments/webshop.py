@@ -23,6 +23,7 @@ from pathlib import Path
 
 import ml_collections
 
+from bpo_jax.experiment import base_config, parse_variants
 from envs.webshop.tasks import TASK_TYPES  # WebShop's five product categories (no data read).
 
 # The hand-written 40-product catalog the tests and the `cpu` variant use.
@@ -31,58 +32,18 @@ FIXTURE_PRODUCTS = Path(__file__).resolve().parents[1] / (
 )
 
 
-def parse_arg(arg: str | None) -> dict[str, str]:
-    """Parses 'cpu,algo=grpo' into {'cpu': 'true', 'algo': 'grpo'}."""
-    out = {}
-    for item in (arg or "").split(","):
-        item = item.strip()
-        if not item:
-            continue
-        key, _, value = item.partition("=")
-        out[key.strip()] = value.strip() if value else "true"
-    return out
-
-
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
-    variants = parse_arg(arg)
-    unknown = set(variants) - {"cpu", "algo", "model"}
-    if unknown:
-        raise ValueError(
-            f"Unknown variant(s) {sorted(unknown)} in {arg!r}; known: cpu, algo=, model=."
-        )
+    variants = parse_variants(arg)
     cpu = variants.get("cpu") == "true"
-
-    c = ml_collections.ConfigDict()
-    c.seed = 0  # Seeds parameter init, task order and sampling.
-
-    # Policy. `preset` names an architecture in bpo_jax.models.config.PRESETS; `hf_checkpoint`
-    # (a directory with config.json, *.safetensors and tokenizer.json) loads pretrained weights.
-    c.model = ml_collections.ConfigDict()
-    c.model.preset = variants.get("model", "tiny" if cpu else "qwen2_5_7b")
-    c.model.hf_checkpoint = ""  # Required for the 7B/8B presets; empty = random init (tiny only).
-    c.model.tokenizer = ""  # Path to a tokenizer; empty = the checkpoint's, or train one (tiny).
-    c.model.tokenizer_vocab_size = 1024  # SentencePiece vocabulary trained for the tiny policy.
-    c.model.max_seq_len = 512 if cpu else 8192  # KV-cache capacity and longest training sequence.
-    c.model.dtype = "float32" if cpu else "bfloat16"  # Activation dtype.
-    c.model.param_dtype = "float32"  # Parameter (and optimizer-state) dtype.
-
-    # Device mesh (data, fsdp, tensor); -1 takes the remaining devices. Logical-axis rules map the
-    # model's named axes to mesh axes (see bpo_jax/models/sharding.py).
-    c.mesh = ml_collections.ConfigDict()
-    c.mesh.data = 1
-    c.mesh.fsdp = -1
-    c.mesh.tensor = 1
-    c.mesh.rules = (
-        ("batch", ("data", "fsdp")),
-        ("length", None),
-        ("embed", "fsdp"),
-        ("heads", "tensor"),
-        ("kv_heads", "tensor"),
-        ("head_dim", None),
-        ("mlp", "tensor"),
-        ("vocab", "tensor"),
-        ("layers", None),
+    c = base_config(
+        variants,
+        # Result lists and product pages are long (cpu: cut by env_options.*_chars below).
+        max_prompt_tokens=448 if cpu else 4096,
+        max_action_tokens=24 if cpu else 64,  # `search[query]`, `click[option value]`.
+        eval_tasks=24 if cpu else 500,  # 500 = WebShop's test goals.
     )
+    # cpu: one earlier (page, action) pair, so that the current page fits the short prompt.
+    c.agent.history_turns = 1 if cpu else 2
 
     # Environment. The catalog fields below are shared by reference between the task loader
     # (task_options) and the environment (env_options, which reads the catalog once in each
@@ -130,85 +91,4 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.env.env_options.text_chars = 200 if cpu else 0
     c.env.env_options.show_goal_every_page = False  # The prompt always carries the goal.
 
-    # Agent turn format: task + first page + the last `history_turns` (observation, action)
-    # pairs + the current observation; the action is parsed from the generated text.
-    c.agent = ml_collections.ConfigDict()
-    c.agent.history_turns = 1 if cpu else 2
-    c.agent.max_prompt_tokens = 448 if cpu else 4096
-    c.agent.max_action_tokens = 24 if cpu else 64
-
-    # Sampling during rollouts (evaluation is greedy).
-    c.sampler = ml_collections.ConfigDict()
-    # The RL policy is softmax(logits / temperature): the learner scores tokens at the same
-    # temperature. A tiny BC policy is too uncertain at 1.0 to finish many tasks.
-    c.sampler.temperature = 0.5 if cpu else 1.0
-    c.sampler.top_p = 1.0
-    c.sampler.length_bucket = 64
-
-    # Behaviour cloning from the expert walkthroughs (starts the tiny policy; off for 7B/8B).
-    c.bc = ml_collections.ConfigDict()
-    c.bc.steps = 150 if cpu else 0
-    c.bc.batch_size = 16
-    c.bc.lr = 2e-3
-
-    # RL.
-    c.train = ml_collections.ConfigDict()
-    # grpo | rloo | gigpo | ppo (independent groups) | bpo | treerl (trees); see config.ALGOS.
-    c.train.algo = variants.get("algo", "grpo")
-    c.train.iterations = 6 if cpu else 50  # Policy-update iterations (one rollout batch each).
-    c.train.tasks_per_iter = 4 if cpu else 16
-    c.train.group_size = 4 if cpu else 8  # Rollouts per task (forks of one reset).
-    c.train.lr = 5e-5 if cpu else 1e-6
-    c.train.weight_decay = 0.0
-    c.train.b1 = 0.9
-    c.train.b2 = 0.999
-    c.train.grad_clip = 1.0  # Global-norm clipping; 0 disables.
-    c.train.clip_eps = 0.2  # PPO-style ratio clipping.
-    c.train.kl_coef = 0.0  # KL(pi || reference) penalty (k3 estimator); 0 = no reference model.
-    c.train.epochs = 1  # Passes over each rollout batch.
-    c.train.minibatch_size = 64 if cpu else 128  # Sequences per gradient step.
-    c.train.loss_agg = "token_mean"  # token_mean | seq_mean.
-    # Loss weight of a step. "trajectory": every root-to-leaf path counts once with weight
-    # (its probability in the tree) / (its length), the per-trajectory objective GRPO and RLOO
-    # estimate; "path_mass": the probability of the paths through the step, unnormalised by
-    # length; "uniform": 1 per step (ablation: long failing episodes and the steps after branch
-    # points dominate).
-    c.train.step_weighting = "trajectory"
-    c.train.adv_eps = 1e-6
-    c.train.normalize = "none"  # none | sibling_std: divide bpo/rloo advantages by sibling std.
-    c.train.gamma = 1.0  # PPO: discount over turns.
-    c.train.gae_lambda = 0.95  # PPO: GAE lambda over turns.
-    c.train.value_lr = 1e-3  # PPO: Adam learning rate of the value head.
-    c.train.value_epochs = 4  # PPO: value-head passes over each rollout batch.
-
-    # Rollout topology of the tree algorithms (bpo, treerl); independent algorithms (grpo, rloo,
-    # gigpo, ppo) play `train.group_size` forks of each task's reset. See bpo_jax/branching.py.
-    c.rollout = ml_collections.ConfigDict()
-    c.rollout.root_group = 2  # K0 backbones per task (>= 2: the first steps need siblings).
-    c.rollout.num_branches = 2 if cpu else 4  # K children per branch point (backbone + K - 1).
-    c.rollout.branch_budget = 2 if cpu else 4  # Branch points per backbone (its whole subtree).
-    c.rollout.max_depth = 2  # Nested branch points on a root-to-leaf path.
-    c.rollout.selector = "entropy"  # entropy | uniform | interval | posthoc_topk (biased).
-    c.rollout.entropy_quantile = 0.75  # Branch at or above this running quantile of entropies.
-    c.rollout.entropy_window = 512  # Recent action entropies the quantile is taken over.
-    c.rollout.entropy_reduce = "first"  # first (unbiased) | mean | max (ablations).
-    c.rollout.branch_prob = 0.2  # selector=uniform: branch probability per step.
-    c.rollout.interval = 3  # selector=interval: branch every this many steps.
-    # Per-task compute budget of every algorithm's rollouts; 0 = auto: what `group_size`
-    # independent episodes are expected to cost (running mean episode length x tokens per
-    # action, from earlier batches), so BPO and the baselines match compute.
-    c.rollout.budget = 0.0
-    c.rollout.budget_unit = "tokens"  # tokens (generated) | env_steps.
-
-    # Evaluation: greedy episodes before RL (after BC) and at the end.
-    c.eval = ml_collections.ConfigDict()
-    c.eval.num_tasks = 24 if cpu else 500  # 500 = WebShop's test goals.
-    c.eval.every = 0  # Also evaluate every N iterations (0 = only before and after).
-
-    # Checkpoints (Orbax) in <workdir>/checkpoints; a restarted run resumes from the latest.
-    c.checkpoint = ml_collections.ConfigDict()
-    c.checkpoint.every = 2 if cpu else 5
-    c.checkpoint.max_to_keep = 2
-
-    c.log_every = 1
     return c

@@ -655,15 +655,11 @@ def test_build_real_packages(tmp_path):
 @pytest.mark.slow
 def test_swebench_cpu_experiment_trains(built, tmp_path):
     """The `cpu` variant of experiments/swebench.py runs end to end on the fixture tasks."""
-    import importlib.util
-
+    from bpo_jax.experiment import load_experiment
     from bpo_jax.train import train_and_evaluate
 
     path = Path(__file__).resolve().parents[1] / "experiments" / "swebench.py"
-    spec = importlib.util.spec_from_file_location("swebench_experiment", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    cfg = module.get_config("cpu")
+    cfg = load_experiment(path).get_config("cpu")
     cfg.env.data_root = str(built[0])
     cfg.env.train_split = cfg.env.eval_split = "all"
     cfg.env.num_train_tasks = 2

@@ -103,9 +103,15 @@ class _Moments:
         norms = np.sqrt(self.sq_norms)
         # E||g - mean||^2 with the unbiased M / (M - 1) correction.
         trace = (np.mean(self.sq_norms) - mean_sq) * m / max(m - 1, 1)
+        # ||E g||^2 without the trace / M that the mean of M noisy gradients adds to it.
+        signal = max(mean_sq - trace / m, 0.0)
         return {
             "batches": m,
             "trace_var": float(trace),
+            "signal_sq": float(signal),
+            # Noise relative to signal: comparable across estimators that scale advantages
+            # differently (GRPO divides by the group std, BPO and RLOO do not).
+            "noise_to_signal": float(trace / signal) if signal > 0 else float("inf"),
             "norm_var": float(np.var(norms, ddof=1)) if m > 1 else 0.0,
             "norm_mean": float(norms.mean()),
             "mean_grad_norm": float(np.sqrt(mean_sq)),
@@ -168,6 +174,9 @@ def run_probe(pool, policy, graphdef, params, tasks, cfg, algos, num_batches, rn
         r.pop("first_entropies", None)
         r["trace_var_ratio"] = r["trace_var"] / max(results[base]["trace_var"], 1e-30)
         r["norm_var_ratio"] = r["norm_var"] / max(results[base]["norm_var"], 1e-30)
+        r["noise_to_signal_ratio"] = r["noise_to_signal"] / max(
+            results[base]["noise_to_signal"], 1e-30
+        )
     return results
 
 
@@ -185,6 +194,7 @@ def _width(params) -> int:
 
 def main(argv):
     from absl import flags
+    from absl import logging as absl_logging
     from flax import nnx
 
     from bpo_jax import train
@@ -194,6 +204,7 @@ def main(argv):
     from bpo_jax.models import sharding
     from envs.sandbox import SandboxPool
 
+    absl_logging.set_verbosity(absl_logging.WARNING)  # Orbax logs every checkpoint operation.
     f = flags.FLAGS
     cfg = validate(f.config)
     workdir = Path(f.workdir).absolute()
@@ -248,16 +259,22 @@ def main(argv):
             {
                 f"probe/{algo}_over_{algos[0]}_trace_var": results[algo]["trace_var_ratio"],
                 f"probe/{algo}_over_{algos[0]}_norm_var": results[algo]["norm_var_ratio"],
+                f"probe/{algo}_over_{algos[0]}_noise_to_signal": results[algo][
+                    "noise_to_signal_ratio"
+                ],
             },
         )
     writer.close()
-    header = f"{'algo':8} {'E|g-mean g|^2':>14} {'Var|g|':>10} {'ratio':>7} {'cost/task':>10}"
-    print(header)
+    print(
+        f"{'algo':8} {'E|g-mean g|^2':>14} {'ratio':>7} {'Var|g|':>10} {'ratio':>7} "
+        f"{'noise/signal':>12} {'ratio':>7} {'cost/task':>10}"
+    )
     for algo in algos:
         r = results[algo]
         print(
-            f"{algo:8} {r['trace_var']:14.4g} {r['norm_var']:10.4g} "
-            f"{r['trace_var_ratio']:7.3f} {r['task_cost_mean']:10.1f}"
+            f"{algo:8} {r['trace_var']:14.4g} {r['trace_var_ratio']:7.3f} {r['norm_var']:10.4g} "
+            f"{r['norm_var_ratio']:7.3f} {r['noise_to_signal']:12.4g} "
+            f"{r['noise_to_signal_ratio']:7.3f} {r['task_cost_mean']:10.1f}"
         )
 
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 import ast
 import dataclasses
 import hashlib
+import threading
 
 __all__ = ["KINDS", "Mutant", "find_mutants", "is_valid"]
 
@@ -265,14 +266,25 @@ class _Finder(ast.NodeVisitor):
             self.generic_visit(node)
 
 
+# CPython 3.11 tracks the AST constructor's recursion depth per interpreter, not per thread:
+# parsing in two threads at once (the builder tests mutants in a thread pool) can fail with
+# "SystemError: AST constructor recursion depth mismatch". Parse one module at a time.
+_AST_LOCK = threading.Lock()
+
+
+def _parse(source: str) -> ast.Module:
+    with _AST_LOCK:
+        return ast.parse(source)
+
+
 def is_valid(mutant: Mutant, source: str, original_dump: str | None = None) -> bool:
     """Whether the mutated module parses and differs from the original in its AST."""
     try:
-        mutated = ast.parse(mutant.apply(source))
+        mutated = _parse(mutant.apply(source))
     except (SyntaxError, ValueError):
         return False
     if original_dump is None:
-        original_dump = ast.dump(ast.parse(source))
+        original_dump = ast.dump(_parse(source))
     return ast.dump(mutated) != original_dump
 
 
@@ -294,7 +306,7 @@ def find_mutants(path: str, source: str, check: bool = True) -> list[Mutant]:
     Returns:
         The mutants.
     """
-    tree = ast.parse(source)
+    tree = _parse(source)
     finder = _Finder(path, source.splitlines(keepends=True))
     finder.skip = _docstring_nodes(tree)
     finder.visit(tree)

@@ -100,7 +100,12 @@ def matmul_peak(n: int = 2048, repeats: int = 2) -> float:
 
 def decode_flops(cfg, params, batch: int, prompt_len: int, steps: int, capacity: int):
     """(useful, executed) FLOPs of `steps` decode forward passes over `batch` rows."""
-    matmul_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(params) if x.ndim >= 2)
+    # Weights of matmuls only: not the norms' scales nor the biases (qkv_bias is 3-d).
+    matmul_params = sum(
+        int(np.prod(x.shape))
+        for path, x in jax.tree_util.tree_leaves_with_path(params)
+        if x.ndim >= 2 and "bias" not in jax.tree_util.keystr(path)
+    )
     if not cfg.tie_embeddings:  # the embedding is a lookup, not a matmul; lm_head is counted
         matmul_params -= cfg.vocab_size * cfg.hidden_size
     per_ctx = 4 * cfg.num_layers * cfg.num_heads * cfg.resolved_head_dim

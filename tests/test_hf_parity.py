@@ -201,13 +201,13 @@ def test_bfloat16_checkpoint(tmp_path):
 
     cfg, model = hf_import.load_hf_checkpoint(tmp_path)
     assert cfg.param_dtype == jnp.bfloat16 and cfg.dtype == jnp.bfloat16
-    assert model.layers[0].self_attn.q_proj[...].dtype == jnp.bfloat16
+    assert model.layers[0].self_attn.qkv_proj[...].dtype == jnp.bfloat16
     for key, value in hf_import.export_hf_state_dict(model).items():
         np.testing.assert_array_equal(value.astype(np.float32), reference[key], err_msg=key)
 
     cfg, model = hf_import.load_hf_checkpoint(tmp_path, param_dtype=jnp.float32, max_seq_len=16)
     assert cfg.param_dtype == jnp.float32 and cfg.dtype == jnp.bfloat16 and cfg.max_seq_len == 16
-    up_proj = model.layers[1].mlp.up_proj[...]
+    up_proj = model.layers[1].mlp.gate_up_proj[...][:, 1]  # [D, 2, F]: gate, then up
     assert up_proj.dtype == jnp.float32
     np.testing.assert_array_equal(
         np.asarray(up_proj), reference["model.layers.1.mlp.up_proj.weight"].T

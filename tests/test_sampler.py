@@ -372,6 +372,27 @@ def test_sampling_frequencies(temperature, top_p, expected):
     np.testing.assert_allclose(np.asarray(ent), -(np.exp(tempered) * tempered).sum(), atol=1e-5)
 
 
+@pytest.mark.parametrize("vocab", [1, 4, 1000, 1024, 3000])
+def test_inverse_cdf_matches_a_sequential_search(vocab):
+    rng = np.random.default_rng(vocab)
+    rows = 256
+    weights = rng.random((rows, vocab)).astype(np.float32) ** 4
+    weights[rng.random((rows, vocab)) < 0.5] = 0.0  # tokens that must never be drawn
+    weights[np.arange(rows), rng.integers(0, vocab, rows)] = 1.0  # every row has some mass
+    u = rng.random(rows).astype(np.float32)
+    u[:4] = [0.0, 0.0, np.nextafter(np.float32(1), np.float32(0)), 0.5]
+    got = np.asarray(jax.jit(sampler_lib.inverse_cdf)(jnp.asarray(weights), jnp.asarray(u)))
+    assert (weights[np.arange(rows), got] > 0).all()
+    # The exact answer: the first token whose cumulative weight exceeds u * total.
+    cum = np.cumsum(weights.astype(np.float64), axis=-1)
+    target = u * cum[:, -1]
+    want = (cum <= target[:, None]).sum(-1)
+    # Float32 sums may move a target that lies within rounding of a boundary across it.
+    near = np.abs(cum - target[:, None]).min(-1) <= 1e-5 * cum[:, -1]
+    assert (got == want)[~near].all()
+    assert (~near).mean() > 0.9
+
+
 def test_tokens_outside_the_nucleus_are_never_drawn():
     # Two top tokens of 1/52 each and 1,000 others of e^-3/52 (96% of the mass together):
     # with top_p = 0.03 the nucleus is the top two, and nothing else may ever be drawn.

@@ -122,15 +122,15 @@ _SHARDED_SCRIPT = textwrap.dedent(
 
     attn, mlp = model.layers[0].self_attn, model.layers[0].mlp
     out = {"layouts": {
-        "q_proj": layout(attn.q_proj[...]), "k_proj": layout(attn.k_proj[...]),
-        "gate_proj": layout(mlp.gate_proj[...]), "down_proj": layout(mlp.down_proj[...]),
+        "qkv_proj": layout(attn.qkv_proj[...]), "o_proj": layout(attn.o_proj[...]),
+        "gate_up_proj": layout(mlp.gate_up_proj[...]), "down_proj": layout(mlp.down_proj[...]),
         "embed_tokens": layout(model.embed_tokens[...]), "lm_head": layout(model.lm_head[...]),
     }}
 
-    # 2 KV heads do not divide tensor=4: k_proj's heads are replicated, its embed still sharded.
+    # 2 KV heads do not divide tensor=4: qkv_proj's heads are replicated, its embed still sharded.
     _, abstract_state = nnx.split(factory.abstract_model(cfg.replace(num_kv_heads=2)))
     specs = factory.param_specs(abstract_state, mesh)
-    out["kv2_k_proj_spec"] = str(specs["layers"][0]["self_attn"]["k_proj"].get_value().spec)
+    out["kv2_qkv_proj_spec"] = str(specs["layers"][0]["self_attn"]["qkv_proj"].get_value().spec)
 
     # The same seed without a mesh gives the same parameters.
     plain = factory.create_model(cfg, seed=0)
@@ -176,8 +176,8 @@ _SHARDED_SCRIPT = textwrap.dedent(
         with open(os.path.join(tmp, "config.json"), "w") as fh:
             json.dump(hf_config, fh)
         _, loaded = hf_import.load_hf_checkpoint(tmp, mesh=mesh)
-    q = loaded.layers[0].self_attn.q_proj[...]
-    out["loaded_q_proj"] = layout(q)
+    qkv = loaded.layers[0].self_attn.qkv_proj[...]
+    out["loaded_qkv_proj"] = layout(qkv)
     out["load_diff"] = max_diff(loaded, model)
     print("RESULT " + json.dumps(out))
     """
@@ -203,9 +203,9 @@ def sharded_run():
 def test_parameters_are_created_sharded(sharded_run):
     layouts = sharded_run["layouts"]
     expected_shards = {
-        "q_proj": [32, 1, 16],  # [D, H, E] over (fsdp, tensor, -)
-        "k_proj": [32, 1, 16],
-        "gate_proj": [32, 32],  # [D, F] over (fsdp, tensor)
+        "qkv_proj": [32, 1, 3, 16],  # [D, K, G + 2, E] over (fsdp, tensor, -, -)
+        "o_proj": [1, 16, 32],  # [H, E, D] over (tensor, -, fsdp)
+        "gate_up_proj": [32, 2, 32],  # [D, 2, F] over (fsdp, -, tensor)
         "down_proj": [32, 32],  # [F, D] over (tensor, fsdp)
         "embed_tokens": [64, 32],  # [V, D] over (tensor, fsdp)
         "lm_head": [32, 64],  # [D, V] over (fsdp, tensor)
@@ -218,7 +218,7 @@ def test_parameters_are_created_sharded(sharded_run):
 
 
 def test_indivisible_heads_are_replicated(sharded_run):
-    assert sharded_run["kv2_k_proj_spec"] == str(PartitionSpec("fsdp", None, None))
+    assert sharded_run["kv2_qkv_proj_spec"] == str(PartitionSpec("fsdp", None, None, None))
 
 
 def test_sharded_init_matches_unsharded_init(sharded_run):
@@ -235,7 +235,7 @@ def test_sharded_cached_decode_matches_single_device(sharded_run):
 
 
 def test_checkpoint_loads_sharded(sharded_run):
-    assert sharded_run["loaded_q_proj"]["devices"] == 8
-    assert sharded_run["loaded_q_proj"]["shard"] == [32, 1, 16]
-    assert sharded_run["loaded_q_proj"]["spec"] == sharded_run["layouts"]["q_proj"]["spec"]
+    assert sharded_run["loaded_qkv_proj"]["devices"] == 8
+    assert sharded_run["loaded_qkv_proj"]["shard"] == [32, 1, 3, 16]
+    assert sharded_run["loaded_qkv_proj"]["spec"] == sharded_run["layouts"]["qkv_proj"]["spec"]
     assert sharded_run["load_diff"] == 0.0

@@ -1,17 +1,21 @@
 """Imports Hugging Face Qwen2 / Llama checkpoints (safetensors) into `Transformer`.
 
-Parameter names already match Hugging Face's, so each tensor needs only a transpose and a
-reshape: HF stores `nn.Linear` weights as [out, in] with heads flattened into the out dimension,
-ours are [in, ...out] with heads as their own axis (so sharding rules can name them).
+Parameter names follow Hugging Face's, and most tensors need only a transpose and a reshape: HF
+stores `nn.Linear` weights as [out, in] with heads flattened into the out dimension, ours are
+[in, ...out] with heads as their own axis (so sharding rules can name them). Two parameters are
+fused for speed: `qkv_proj` (and `qkv_bias`) holds q_proj, k_proj and v_proj, grouped by KV
+head, and `gate_up_proj` holds gate_proj and up_proj (see `tensor_map`).
 
-Loading streams one tensor at a time: it is read from the safetensors file into host memory,
-rearranged (as a numpy view), and each device receives only its own slice, already cast, via
-`jax.make_array_from_callback`. No parameter is assembled whole on a device, and host memory
-holds one tensor at a time (at most the embedding, ~1 GB for a 7B model in bf16).
+Loading streams one parameter at a time: its tensor(s) are read from the safetensors files into
+host memory, rearranged (a numpy view, or one concatenation for a fused parameter), and each
+device receives only its own slice, already cast, via `jax.make_array_from_callback`. No
+parameter is assembled whole on a device, and host memory holds one parameter at a time (at
+most the embedding, ~1 GB for a 7B model in bf16).
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -143,13 +147,18 @@ def config_from_hf(hf_config: dict, **overrides) -> ModelConfig:
 
 @dataclasses.dataclass(frozen=True)
 class _Entry:
-    """One checkpoint tensor and where it lives in our model."""
+    """One parameter of our model and the checkpoint tensor(s) it is made of.
 
-    hf_name: str
+    Most parameters are one checkpoint tensor, transposed and reshaped. The fused ones are
+    several: `qkv_proj` (and `qkv_bias`) holds q_proj, k_proj and v_proj, `gate_up_proj` holds
+    gate_proj and up_proj.
+    """
+
     path: tuple[str | int, ...]
-    hf_shape: tuple[int, ...]
-    to_ours: Callable[[np.ndarray], np.ndarray]
-    to_hf: Callable[[np.ndarray], np.ndarray]
+    hf_names: tuple[str, ...]
+    hf_shapes: tuple[tuple[int, ...], ...]
+    to_ours: Callable[..., np.ndarray]  # the tensors of hf_names, in order -> our parameter
+    to_hf: Callable[[np.ndarray], tuple[np.ndarray, ...]]  # the inverse
 
 
 def _identity(x):
@@ -160,57 +169,103 @@ def _transpose(x):
     return x.T
 
 
-def tensor_map(cfg: ModelConfig) -> list[_Entry]:
-    """Every checkpoint tensor of `cfg`'s architecture, with its rearrangement to our layout.
+def _single(path, hf_name, hf_shape, to_ours, to_hf) -> _Entry:
+    return _Entry(path, (hf_name,), (hf_shape,), to_ours, lambda p: (to_hf(p),))
 
-    The rearrangements are numpy views (transpose / split an axis), so they copy nothing.
+
+def tensor_map(cfg: ModelConfig) -> list[_Entry]:
+    """Every parameter of `cfg`'s architecture, with the checkpoint tensors it is made of.
+
+    Single-tensor rearrangements are numpy views (transpose / split an axis) and copy nothing;
+    the fused parameters are assembled with one copy.
     """
     d, f, v = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
     h, k, e = cfg.num_heads, cfg.num_kv_heads, cfg.resolved_head_dim
+    g = h // k
 
-    def proj_in(n):  # [N*E, D] -> [D, N, E]
-        return (lambda w: w.T.reshape(d, n, e)), (lambda p: p.reshape(d, n * e).T)
+    # q_proj [H*E, D], k_proj and v_proj [K*E, D] -> qkv_proj [D, K, G + 2, E]: query head
+    # h = k * G + g goes to slot g of KV head k, its key to slot G, its value to slot G + 1.
+    def qkv_in(q, kk, vv):
+        parts = [q.T.reshape(d, k, g, e), kk.T.reshape(d, k, 1, e), vv.T.reshape(d, k, 1, e)]
+        return np.concatenate(parts, axis=2)
 
-    def bias(n):  # [N*E] -> [N, E]
-        return (lambda b: b.reshape(n, e)), (lambda p: p.reshape(n * e))
+    def qkv_out(p):
+        return (
+            p[:, :, :g].reshape(d, h * e).T,
+            p[:, :, g].reshape(d, k * e).T,
+            p[:, :, g + 1].reshape(d, k * e).T,
+        )
 
-    o_in = (lambda w: w.T.reshape(h, e, d)), (lambda p: p.reshape(h * e, d).T)  # [D, H*E]
+    # The biases [H*E], [K*E], [K*E] -> qkv_bias [K, G + 2, E], in the same slots.
+    def bias_in(q, kk, vv):
+        return np.concatenate([q.reshape(k, g, e), kk.reshape(k, 1, e), vv.reshape(k, 1, e)], 1)
+
+    def bias_out(p):
+        return p[:, :g].reshape(h * e), p[:, g].reshape(k * e), p[:, g + 1].reshape(k * e)
+
+    # gate_proj and up_proj [F, D] -> gate_up_proj [D, 2, F].
+    def gate_up_in(gate, up):
+        return np.stack([gate.T, up.T], axis=1)
+
+    def gate_up_out(p):
+        return p[:, 0].T, p[:, 1].T
+
+    def o_in(w):  # [D, H*E] -> [H, E, D]
+        return w.T.reshape(h, e, d)
+
+    def o_out(p):
+        return p.reshape(h * e, d).T
+
     same = (_identity, _identity)
     t = (_transpose, _transpose)
 
-    entries = [_Entry("model.embed_tokens.weight", ("embed_tokens",), (v, d), *same)]
+    entries = [_single(("embed_tokens",), "model.embed_tokens.weight", (v, d), *same)]
     for i in range(cfg.num_layers):
         pre, at = f"model.layers.{i}.", ("layers", i, "self_attn")
+        attn = pre + "self_attn."
         entries += [
-            _Entry(
-                pre + "input_layernorm.weight",
+            _single(
                 ("layers", i, "input_layernorm", "weight"),
+                pre + "input_layernorm.weight",
+                (d,),
+                *same,
+            ),
+            _single(
+                ("layers", i, "post_attention_layernorm", "weight"),
+                pre + "post_attention_layernorm.weight",
                 (d,),
                 *same,
             ),
             _Entry(
-                pre + "post_attention_layernorm.weight",
-                ("layers", i, "post_attention_layernorm", "weight"),
-                (d,),
-                *same,
+                at + ("qkv_proj",),
+                tuple(attn + n + "_proj.weight" for n in "qkv"),
+                ((h * e, d), (k * e, d), (k * e, d)),
+                qkv_in,
+                qkv_out,
             ),
-            _Entry(pre + "self_attn.q_proj.weight", at + ("q_proj",), (h * e, d), *proj_in(h)),
-            _Entry(pre + "self_attn.k_proj.weight", at + ("k_proj",), (k * e, d), *proj_in(k)),
-            _Entry(pre + "self_attn.v_proj.weight", at + ("v_proj",), (k * e, d), *proj_in(k)),
-            _Entry(pre + "self_attn.o_proj.weight", at + ("o_proj",), (d, h * e), *o_in),
-            _Entry(pre + "mlp.gate_proj.weight", ("layers", i, "mlp", "gate_proj"), (f, d), *t),
-            _Entry(pre + "mlp.up_proj.weight", ("layers", i, "mlp", "up_proj"), (f, d), *t),
-            _Entry(pre + "mlp.down_proj.weight", ("layers", i, "mlp", "down_proj"), (d, f), *t),
+            _single(at + ("o_proj",), attn + "o_proj.weight", (d, h * e), o_in, o_out),
+            _Entry(
+                ("layers", i, "mlp", "gate_up_proj"),
+                (pre + "mlp.gate_proj.weight", pre + "mlp.up_proj.weight"),
+                ((f, d), (f, d)),
+                gate_up_in,
+                gate_up_out,
+            ),
+            _single(("layers", i, "mlp", "down_proj"), pre + "mlp.down_proj.weight", (d, f), *t),
         ]
         if cfg.qkv_bias:
-            entries += [
-                _Entry(pre + "self_attn.q_proj.bias", at + ("q_bias",), (h * e,), *bias(h)),
-                _Entry(pre + "self_attn.k_proj.bias", at + ("k_bias",), (k * e,), *bias(k)),
-                _Entry(pre + "self_attn.v_proj.bias", at + ("v_bias",), (k * e,), *bias(k)),
-            ]
-    entries.append(_Entry("model.norm.weight", ("norm", "weight"), (d,), *same))
+            entries.append(
+                _Entry(
+                    at + ("qkv_bias",),
+                    tuple(attn + n + "_proj.bias" for n in "qkv"),
+                    ((h * e,), (k * e,), (k * e,)),
+                    bias_in,
+                    bias_out,
+                )
+            )
+    entries.append(_single(("norm", "weight"), "model.norm.weight", (d,), *same))
     if not cfg.tie_embeddings:
-        entries.append(_Entry("lm_head.weight", ("lm_head",), (v, d), *t))
+        entries.append(_single(("lm_head",), "lm_head.weight", (v, d), *t))
     return entries
 
 
@@ -283,7 +338,8 @@ def load_hf_checkpoint(
     overrides = {"dtype": dtype, "param_dtype": param_dtype, "max_seq_len": max_seq_len}
     cfg = config_from_hf(hf_config, **{k: v for k, v in overrides.items() if v is not None})
 
-    entries = {e.hf_name: e for e in tensor_map(cfg)}
+    entries = tensor_map(cfg)
+    shapes = {n: shape for e in entries for n, shape in zip(e.hf_names, e.hf_shapes)}
     files = _checkpoint_files(path)
     located: dict[str, str] = {}
     for file in files:
@@ -292,22 +348,22 @@ def load_hf_checkpoint(
                 if _is_ignored(name, cfg):
                     continue
                 shape = tuple(f.get_slice(name).get_shape())
-                if name not in entries:
+                if name not in shapes:
                     raise ValueError(
                         f"Unexpected tensor {name!r} of shape {shape} in {file}: no parameter "
                         f"of this {hf_config['model_type']} configuration maps to it."
                     )
                 if name in located:
                     raise ValueError(f"Tensor {name!r} is stored twice: {located[name]}, {file}.")
-                if shape != entries[name].hf_shape:
+                if shape != shapes[name]:
                     raise ValueError(
                         f"Tensor {name!r} has shape {shape} in {file}, but config.json implies "
-                        f"{entries[name].hf_shape}."
+                        f"{shapes[name]}."
                     )
                 located[name] = file
-    missing = [n for n in entries if n not in located]
+    missing = [n for n in shapes if n not in located]
     if missing:
-        shown = ", ".join(f"{n!r} (expected shape {entries[n].hf_shape})" for n in missing[:8])
+        shown = ", ".join(f"{n!r} (expected shape {shapes[n]})" for n in missing[:8])
         more = f" and {len(missing) - 8} more" if len(missing) > 8 else ""
         raise ValueError(f"Checkpoint {path!r} lacks {len(missing)} tensor(s): {shown}{more}.")
 
@@ -315,25 +371,21 @@ def load_hf_checkpoint(
     shardings = None if mesh is None else param_specs(abstract_state, mesh, rules)
     flat_vars = dict(nnx.to_flat_state(abstract_state))
     flat_shardings = None if shardings is None else dict(nnx.to_flat_state(shardings))
-    if set(flat_vars) != {e.path for e in entries.values()}:
+    if set(flat_vars) != {e.path for e in entries}:
         raise AssertionError(
             "tensor_map is out of sync with Transformer's parameters: "
-            f"{sorted(set(flat_vars) ^ {e.path for e in entries.values()})}"
+            f"{sorted(set(flat_vars) ^ {e.path for e in entries})}"
         )
 
     loaded = {}
-    for file in files:
-        with safe_open(file, framework="np") as f:
-            for name in f.keys():
-                if name not in located or located[name] != file:
-                    continue
-                entry = entries[name]
-                var = flat_vars[entry.path]
-                sharding = (
-                    None if flat_shardings is None else flat_shardings[entry.path].get_value()
-                )
-                value = _place(entry.to_ours(f.get_tensor(name)), var.get_value().dtype, sharding)
-                loaded[entry.path] = var.replace(value)
+    with contextlib.ExitStack() as stack:
+        handles = {file: stack.enter_context(safe_open(file, framework="np")) for file in files}
+        for entry in entries:
+            var = flat_vars[entry.path]
+            sharding = None if flat_shardings is None else flat_shardings[entry.path].get_value()
+            tensors = [handles[located[name]].get_tensor(name) for name in entry.hf_names]
+            value = _place(entry.to_ours(*tensors), var.get_value().dtype, sharding)
+            loaded[entry.path] = var.replace(value)
     state = nnx.from_flat_state(list(loaded.items()))
     return cfg, nnx.merge(graphdef, state)
 
@@ -348,5 +400,6 @@ def export_hf_state_dict(model: Transformer) -> dict[str, np.ndarray]:
     out = {}
     for entry in tensor_map(model.cfg):
         value = np.asarray(jax.device_get(flat[entry.path].get_value()))
-        out[entry.hf_name] = np.ascontiguousarray(entry.to_hf(value))
+        for name, tensor in zip(entry.hf_names, entry.to_hf(value)):
+            out[name] = np.ascontiguousarray(tensor)
     return out

@@ -212,6 +212,17 @@ class _Engine:
                 chosen.append(i)
         return chosen
 
+    def _branch_where(self, live: list[_Path], rows: list[int], entropies: np.ndarray) -> None:
+        """Branches the paths the rule picks.
+
+        The children join `live` (which also puts their sandboxes in the clean-up on error) and
+        `rows` (they sample from their parent's context row).
+        """
+        for i in self._choose_branches(live, entropies):
+            children = self._branch(live[i])
+            live.extend(children)
+            rows.extend([i] * len(children))
+
     def _branch(self, p: _Path) -> list[_Path]:
         """Turns p's current state into a node with p plus K - 1 forked children."""
         from envs.sandbox import SandboxError  # Local: the sandbox package is optional here.
@@ -259,11 +270,7 @@ class _Engine:
             if self.spec.entropy_reduce == "first" or not self._may_branch(live):
                 # The branch rule sees h_t only (the first token's distribution), so every
                 # path's action and every child's action come from one sampling call.
-                entropies = self.policy.next_token_entropy(ctx)
-                for i in self._choose_branches(live, entropies):
-                    children = self._branch(live[i])
-                    live.extend(children)  # Also registers their sandboxes for cleanup.
-                    rows.extend([i] * len(children))
+                self._branch_where(live, rows, self.policy.next_token_entropy(ctx))
                 samples = self.policy.sample(ctx, self._key(0), rows=rows, greedy=self.greedy)
             else:
                 # "mean" / "max" look at the backbone's sampled action first (an ablation).
@@ -271,10 +278,7 @@ class _Engine:
                 entropies = np.array(
                     [action_entropy(s.entropies, self.spec.entropy_reduce) for s in samples]
                 )
-                for i in self._choose_branches(live, entropies):
-                    children = self._branch(live[i])
-                    live.extend(children)
-                    rows.extend([i] * len(children))
+                self._branch_where(live, rows, entropies)
                 samples += self.policy.sample(ctx, self._key(1), rows=rows[len(samples) :])
             tokens = sum(len(s.token_ids) for s in samples)
             self.stats.generated_tokens += tokens

@@ -23,6 +23,7 @@ from collections.abc import Callable
 from typing import Any, NamedTuple, Protocol, TypeVar, runtime_checkable
 
 __all__ = [
+    "check_can_step",
     "Environment",
     "StepResult",
     "Task",
@@ -118,6 +119,22 @@ _BUILTIN_MODULES: dict[str, str] = {
     "webshop": "envs.webshop",
     "tabular": "envs.tabular",
 }
+
+
+def check_can_step(env: Any, started: bool, done: bool, task: Task | None, steps: int) -> None:
+    """The guard every env's `step` starts with: refuses a step before `reset` or after the end.
+
+    Raises:
+        RuntimeError: naming the env class, and the task and step count when the episode ended.
+    """
+    name = type(env).__name__
+    if not started or task is None:
+        raise RuntimeError(f"{name}.step called before reset; call reset(task) first.")
+    if done:
+        raise RuntimeError(
+            f"{name}.step called after the episode of {task.task_id} ended (after {steps} "
+            "steps); call reset(task) to start a new one."
+        )
 
 
 def register_env(name: str) -> Callable[[_F], _F]:

@@ -33,7 +33,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from envs.base import StepResult, Task, register_env, register_task_loader
+from envs.base import StepResult, Task, check_can_step, register_env, register_task_loader
 
 __all__ = [
     "INSTANCES",
@@ -484,13 +484,7 @@ class TabularEnv:
         Raises:
             RuntimeError: Called before `reset` or after the episode ended.
         """
-        if self._task is None:
-            raise RuntimeError("TabularEnv.step called before reset; call reset(task) first.")
-        if self._done:
-            raise RuntimeError(
-                f"TabularEnv.step called after the episode of {self._task.task_id} ended (after "
-                f"{self._steps} steps); call reset(task) to start a new one."
-            )
+        check_can_step(self, True, self._done, self._task, self._steps)
         parsed = parse_action(action, self.mdp.num_actions)
         self._steps += 1
         if parsed is None:

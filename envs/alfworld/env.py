@@ -15,7 +15,7 @@ import re
 from typing import Any
 
 from envs.alfworld.data import AlfworldTask
-from envs.base import StepResult, register_env
+from envs.base import StepResult, check_can_step, register_env
 
 __all__ = ["NOTHING_HAPPENS", "AlfworldEnv", "normalize_action"]
 
@@ -161,13 +161,7 @@ class AlfworldEnv:
         Raises:
             RuntimeError: If called before `reset` or after the episode ended.
         """
-        if self._game is None or self._task is None:
-            raise RuntimeError("AlfworldEnv.step called before reset; call reset(task) first.")
-        if self._done:
-            raise RuntimeError(
-                f"AlfworldEnv.step called after the episode of {self._task.task_id} ended (after "
-                f"{self._steps} steps); call reset(task) to start a new one."
-            )
+        check_can_step(self, self._game is not None, self._done, self._task, self._steps)
 
         command = normalize_action(action)
         game_over = won = False

@@ -31,11 +31,9 @@ import tempfile
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from envs.base import StepResult, Task
 from envs.sandbox import procutil
 from envs.sandbox.base import (
     BackendUnavailableError,
-    Call,
     Sandbox,
     SandboxBackend,
     SandboxError,
@@ -45,7 +43,7 @@ from envs.sandbox.base import (
     default_preload,
     register_backend,
 )
-from envs.sandbox.remote import Remote
+from envs.sandbox.remote import Remote, RemoteSandbox
 from envs.sandbox.worker import worker_environ
 
 __all__ = ["CriuBackend", "CriuSandbox", "KDAT_DIR", "check_criu", "find_criu"]
@@ -147,46 +145,10 @@ class _Image:
     has_ghosts: bool
 
 
-class CriuSandbox(Sandbox):
+class CriuSandbox(RemoteSandbox):
     """A sandbox whose worker (and its children) live in their own PID namespace."""
 
     backend: CriuBackend
-
-    def __init__(self, backend: CriuBackend, remote: Remote):
-        super().__init__(backend)
-        self.remote = remote
-
-    def pid(self) -> int | None:
-        return self.remote.pid
-
-    def start_reset(self, task: Task) -> Call:
-        self._check_open()
-
-        def convert(value: Any) -> tuple[str, dict]:
-            observation, info = value
-            self._after_reset(task)
-            return observation, info
-
-        return self.remote.request(
-            "reset", task, timeout_s=self.backend.reset_timeout_s, on_fault=self._on_fault,
-            convert=convert,
-        )  # fmt: skip
-
-    def start_step(self, action: str | None) -> Call:
-        self._check_open()
-
-        def convert(value: Any) -> StepResult:
-            result = StepResult(*value)
-            self._after_step(result)
-            return result
-
-        return self.remote.request(
-            "step", action, timeout_s=self.backend.step_timeout_s, on_fault=self._on_fault,
-            convert=convert,
-        )  # fmt: skip
-
-    def _on_fault(self, kind: str, reason: str) -> None:
-        self.backend._fault(self)
 
 
 @register_backend("criu")

@@ -18,11 +18,9 @@ import sys
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from envs.base import StepResult, Task
 from envs.sandbox import procutil
 from envs.sandbox.base import (
     BackendUnavailableError,
-    Call,
     Sandbox,
     SandboxBackend,
     SandboxError,
@@ -32,7 +30,7 @@ from envs.sandbox.base import (
     default_preload,
     register_backend,
 )
-from envs.sandbox.remote import Remote, RemoteCall, wait_all
+from envs.sandbox.remote import Remote, RemoteCall, RemoteSandbox, wait_all
 from envs.sandbox.worker import worker_environ
 
 __all__ = ["ForkBackend", "ForkSandbox"]
@@ -48,52 +46,10 @@ class _Frozen:
         self.remote = remote
 
 
-class ForkSandbox(Sandbox):
+class ForkSandbox(RemoteSandbox):
     """A sandbox whose environment lives in a fork-server worker process."""
 
     backend: ForkBackend
-
-    def __init__(self, backend: ForkBackend, remote: Remote):
-        super().__init__(backend)
-        self.remote = remote
-
-    def pid(self) -> int | None:
-        return self.remote.pid
-
-    def start_reset(self, task: Task) -> Call:
-        self._check_open()
-
-        def convert(value: Any) -> tuple[str, dict]:
-            observation, info = value
-            self._after_reset(task)
-            return observation, info
-
-        return self.remote.request(
-            "reset",
-            task,
-            timeout_s=self.backend.reset_timeout_s,
-            on_fault=self._on_fault,
-            convert=convert,
-        )
-
-    def start_step(self, action: str | None) -> Call:
-        self._check_open()
-
-        def convert(value: Any) -> StepResult:
-            result = StepResult(*value)
-            self._after_step(result)
-            return result
-
-        return self.remote.request(
-            "step",
-            action,
-            timeout_s=self.backend.step_timeout_s,
-            on_fault=self._on_fault,
-            convert=convert,
-        )
-
-    def _on_fault(self, kind: str, reason: str) -> None:
-        self.backend._fault(self)
 
 
 @register_backend("fork")

@@ -19,10 +19,11 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from envs.base import StepResult, Task
 from envs.sandbox import procutil, wire
-from envs.sandbox.base import Call, SandboxError, SandboxFault
+from envs.sandbox.base import Call, Sandbox, SandboxError, SandboxFault
 
-__all__ = ["Remote", "RemoteCall", "wait_all", "wait_some"]
+__all__ = ["Remote", "RemoteCall", "RemoteSandbox", "wait_all", "wait_some"]
 
 
 class Remote:
@@ -318,3 +319,54 @@ def wait_all(calls: Sequence[Call]) -> None:
     pending = set(range(len(calls)))
     while pending:
         pending -= wait_some(calls, pending)
+
+
+class RemoteSandbox(Sandbox):
+    """A sandbox whose environment lives in a worker process behind a `Remote`.
+
+    Resets and steps are requests with the backend's deadlines; a fault (crash, hang, garbage,
+    env error) kills the worker through the backend, which marks the sandbox faulted. Backends
+    that swap the worker (a restore) assign `remote`.
+    """
+
+    def __init__(self, backend: Any, remote: Remote):
+        super().__init__(backend)
+        self.remote = remote
+
+    def pid(self) -> int | None:
+        return self.remote.pid
+
+    def start_reset(self, task: Task) -> Call:
+        self._check_open()
+
+        def convert(value: Any) -> tuple[str, dict]:
+            observation, info = value
+            self._after_reset(task)
+            return observation, info
+
+        return self.remote.request(
+            "reset",
+            task,
+            timeout_s=self.backend.reset_timeout_s,
+            on_fault=self._on_fault,
+            convert=convert,
+        )
+
+    def start_step(self, action: str | None) -> Call:
+        self._check_open()
+
+        def convert(value: Any) -> StepResult:
+            result = StepResult(*value)
+            self._after_step(result)
+            return result
+
+        return self.remote.request(
+            "step",
+            action,
+            timeout_s=self.backend.step_timeout_s,
+            on_fault=self._on_fault,
+            convert=convert,
+        )
+
+    def _on_fault(self, kind: str, reason: str) -> None:
+        self.backend._fault(self)

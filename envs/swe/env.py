@@ -25,7 +25,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from envs.base import StepResult, register_env
+from envs.base import StepResult, check_can_step, register_env
 from envs.swe import tools
 from envs.swe.data import SweTask
 from envs.swe.filetools import FileTools, ToolError
@@ -242,13 +242,7 @@ class SweEnv(FileTools):
         Raises:
             RuntimeError: If called before `reset` or after the episode ended.
         """
-        if self._task is None or self._ws is None:
-            raise RuntimeError("SweEnv.step called before reset; call reset(task) first.")
-        if self._done:
-            raise RuntimeError(
-                f"SweEnv.step called after the episode of {self._task.task_id} ended (after "
-                f"{self._steps} steps); call reset(task) to start a new one."
-            )
+        check_can_step(self, self._ws is not None, self._done, self._task, self._steps)
         invalid, submitted, tool = False, False, None
         try:
             call = tools.parse_action(action)

@@ -24,7 +24,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from envs.base import StepResult, register_env
+from envs.base import StepResult, check_can_step, register_env
 from envs.webshop.data import Catalog, Product, get_catalog, resolve_catalog
 from envs.webshop.scoring import score
 from envs.webshop.tasks import RESULTS_PER_PAGE, SEARCH_RESULTS, WebShopTask
@@ -189,13 +189,7 @@ class WebShopEnv:
         Raises:
             RuntimeError: If called before `reset` or after the episode ended.
         """
-        if self._task is None:
-            raise RuntimeError("WebShopEnv.step called before reset; call reset(task) first.")
-        if self._done:
-            raise RuntimeError(
-                f"WebShopEnv.step called after the episode of {self._task.task_id} ended (after "
-                f"{self._steps} steps); call reset(task) to start a new one."
-            )
+        check_can_step(self, True, self._done, self._task, self._steps)
         self._steps += 1
         parsed = parse_action(action)
         normalized = None if parsed is None else f"{parsed[0]}[{parsed[1]}]"

@@ -1,8 +1,9 @@
 """Snapshot and restore latency, and memory per held snapshot, of each sandbox backend on ALFWorld.
 
 For every backend and for episode depths 1, 10 and 30 it plays an ALFWorld game to that depth,
-then times `snapshot()` and `fork(handle, 1)` (a restore into a new sandbox) a few times and
-reports medians, and the bytes a held snapshot costs (`stats()["snapshot_bytes"]` after the live
+then times `snapshot()`, `fork(handle, 1)` (a restore into a new sandbox) and `clone(sandbox, 1)`
+(a copy of the live sandbox: snapshot, fork and release in one call) a few times and reports
+medians, and the bytes a held snapshot costs (`stats()["snapshot_bytes"]` after the live
 sandbox has moved on a few steps, so that the fork backend's copy-on-write pages are counted).
 Targets: fork <= 10 ms and criu <= 300 ms per snapshot+restore, both flat in depth, while replay
 grows with depth. `inprocess` cannot snapshot ALFWorld and is listed with its error.
@@ -80,7 +81,7 @@ def bench_backend(name: str, task: Any, repeats: int, max_depth: int) -> dict[st
             while step < depth:
                 info = sandbox.step(wander(info, step)).info
                 step += 1
-            snap_s, restore_s = [], []
+            snap_s, restore_s, clone_s = [], [], []
             try:
                 for _ in range(repeats):
                     t0 = time.perf_counter()
@@ -91,6 +92,10 @@ def bench_backend(name: str, task: Any, repeats: int, max_depth: int) -> dict[st
                     restore_s.append(time.perf_counter() - t0)
                     copy.close()
                     backend.release(handle)
+                    t0 = time.perf_counter()
+                    (copy,) = backend.clone(sandbox, 1)
+                    clone_s.append(time.perf_counter() - t0)
+                    copy.close()
             except SnapshotUnsupportedError as e:
                 row["error"] = str(e)
                 break
@@ -107,6 +112,7 @@ def bench_backend(name: str, task: Any, repeats: int, max_depth: int) -> dict[st
                 "snapshot_ms": _ms(snap),
                 "restore_ms": _ms(restore),
                 "total_ms": _ms(snap + restore),
+                "clone_ms": _ms(statistics.median(clone_s)),
                 "snapshot_mib": round(held / 2**20, 2),
             }
         if name == "criu" and "error" not in row:
@@ -124,7 +130,7 @@ def bench_backend(name: str, task: Any, repeats: int, max_depth: int) -> dict[st
 
 def print_table(rows: list[dict[str, Any]]) -> None:
     header = f"{'backend':<10} {'depth':>5} {'snapshot ms':>12} {'restore ms':>11} {'total ms':>9}"
-    header += f" {'held MiB':>9}"
+    header += f" {'clone ms':>9} {'held MiB':>9}"
     print(header)
     print("-" * len(header))
     for row in rows:
@@ -134,7 +140,8 @@ def print_table(rows: list[dict[str, Any]]) -> None:
         for depth, cell in row["depths"].items():
             print(
                 f"{row['backend']:<10} {depth:>5} {cell['snapshot_ms']:>12.1f} "
-                f"{cell['restore_ms']:>11.1f} {cell['total_ms']:>9.1f} {cell['snapshot_mib']:>9.2f}"
+                f"{cell['restore_ms']:>11.1f} {cell['total_ms']:>9.1f} {cell['clone_ms']:>9.1f} "
+                f"{cell['snapshot_mib']:>9.2f}"
             )
         extra = {k: row[k] for k in ("startup_ms", "reset_ms", "fork4_ms_each") if k in row}
         print(f"{'':<10} {extra}")

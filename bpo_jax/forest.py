@@ -26,8 +26,9 @@ class ComputeStats:
     prefilled_tokens: int = 0
     env_steps: int = 0
     resets: int = 0
-    snapshots: int = 0
-    restores: int = 0
+    snapshots: int = 0  # Held snapshots taken (post-hoc branching keeps one per step).
+    restores: int = 0  # Sandboxes forked from held snapshots.
+    clones: int = 0  # Live copies of a sandbox (group members, branch children).
 
     def add(self, other: ComputeStats) -> None:
         for f in dataclasses.fields(self):

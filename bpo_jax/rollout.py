@@ -1,13 +1,13 @@
 """Playing episodes as forests: independent groups and BPO trees, all sandboxes in lockstep.
 
 One engine serves every topology (DESIGN.md, "Data flow"):
-- independent (GRPO, RLOO, PPO; evaluation): each task is reset once, snapshotted and forked into
-  `root_group` sandboxes that play on independently (resets cost seconds, forks milliseconds, and
-  every algorithm gets the same treatment);
+- independent (GRPO, RLOO, PPO; evaluation): each task is reset once and cloned
+  (`SandboxPool.clone`) into `root_group` sandboxes that play on independently (resets cost
+  seconds, forks milliseconds, and every algorithm gets the same treatment);
 - BPO: the same root group of K0 >= 2 backbones, plus branch points chosen online. At a branch
-  point the sandbox is snapshotted *before* the step, K - 1 more actions are sampled from the
-  same prompt by duplicating its KV-cache rows (the prompt is prefilled once), each runs in a fork
-  of the sandbox, and the backbone's own action is the K-th child. Children may branch again up
+  point the sandbox is cloned *before* the step, K - 1 more actions are sampled from the same
+  prompt by duplicating its KV-cache rows (the prompt is prefilled once), each runs in a clone of
+  the sandbox, and the backbone's own action is the K-th child. Children may branch again up
   to `max_depth` nested branch points and `branch_budget` branch points per backbone, while the
   task's compute budget lasts.
 
@@ -141,15 +141,9 @@ class _Engine:
         resets = self.pool.reset_many(self.tasks)
         self.stats.resets += len(resets)
         for ti, (sid, obs, info) in enumerate(resets):
-            if k0 > 1:
-                handle = self.pool.snapshot(sid)
-                self.stats.snapshots += 1
-                sids = self.pool.fork(handle, k0)
-                self.stats.restores += k0
-                self.pool.release(handle)
-                self.pool.close_sandbox(sid)
-            else:
-                sids = [sid]
+            # The reset sandbox plays the first member; the others are live copies of it.
+            sids = [sid, *self.pool.clone(sid, k0 - 1)]
+            self.stats.clones += k0 - 1
             for fsid in sids:
                 self.branches_left.append(self.spec.branch_budget)
                 self.live.append(
@@ -229,17 +223,14 @@ class _Engine:
 
         k = self.spec.num_branches
         try:
-            handle = self.pool.snapshot(p.sid)
-            try:
-                sids = self.pool.fork(handle, k - 1)
-            finally:
-                self.pool.release(handle)
+            # Copies of the live sandbox before the step (a snapshot and K - 1 forks of it in one
+            # go: on the fork server, one os.fork per copy).
+            sids = self.pool.clone(p.sid, k - 1)
         except SandboxError as e:
             log.warning("Branch at step %d of task %s skipped: %s", p.t, p.task, e)
             self.branches_left[p.backbone] += 1
             return []
-        self.stats.snapshots += 1
-        self.stats.restores += len(sids)
+        self.stats.clones += len(sids)
         node = self._new_node(p.task)
         self.segments[p.segments[-1]].child = node
         prefix = list(p.segments)  # Ends with the segment that now ends at the node.

@@ -241,7 +241,7 @@ def test_independent_groups_are_depth_one_forests(pool, policy):
     assert [t.group for t in trajs] == [0, 0, 1, 1, 2, 2]
     # Greedy forks of one state act identically.
     assert [s.action_text for s in trajs[0].steps] == [s.action_text for s in trajs[1].steps]
-    assert stats.resets == 3 and stats.restores == 6
+    assert stats.resets == 3 and stats.clones == 3 and stats.restores == 0
 
 
 def test_tree_step_weights_give_every_task_unit_mass(pool, policy):

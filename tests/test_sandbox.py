@@ -90,6 +90,38 @@ def test_counter_snapshot_restore_fork_match_replay(backend_name):
         assert backend.stats()["held_snapshots"] == 0
 
 
+@pytest.mark.parametrize("backend_name", LOCAL_BACKENDS)
+def test_counter_clone_of_a_live_sandbox_matches_replay(backend_name):
+    before = _descendants()
+    ref_a = _reference(PREFIX + BRANCH_A)[len(PREFIX) :]
+    ref_b = _reference(PREFIX + BRANCH_B)[len(PREFIX) :]
+    with make_backend(backend_name, COUNTER, {"max_steps": 100}) as backend:
+        sandbox = backend.new_sandbox()
+        sandbox.reset(CounterTask("t", start=0, target=1000))
+        play(sandbox, PREFIX)
+        assert backend.clone(sandbox, 0) == []
+        clones = backend.clone(sandbox, 2)
+        assert [c.steps for c in clones] == [len(PREFIX)] * 2 and clones[0].task.task_id == "t"
+        got = {id(s): [] for s in [sandbox, *clones]}
+        for a, b in zip(BRANCH_A, BRANCH_B):  # Interleaved: original and clones are independent.
+            for s, action in zip([sandbox, *clones], [a, b, a]):
+                got[id(s)].append(tuple(s.step(action)))
+        assert got[id(sandbox)] == ref_a and got[id(clones[1])] == ref_a
+        assert got[id(clones[0])] == ref_b
+        stats = backend.stats()
+        assert stats["live_sandboxes"] == 3 and stats["held_snapshots"] == 0
+        if backend_name == "fork":  # One fork of the live worker per copy, no snapshot.
+            assert stats["clones"] == 2 and stats["snapshots"] == 0 and stats["restores"] == 0
+        else:  # Through a snapshot that is released again.
+            assert stats["clones"] == 0 and stats["snapshots"] == 1 and stats["restores"] == 2
+        with pytest.raises(ValueError, match="n >= 0"):
+            backend.clone(sandbox, -1)
+        clones[0].close()
+        with pytest.raises(SandboxError, match="closed"):
+            backend.clone(clones[0], 1)
+    assert leftover_processes(before) == []
+
+
 def test_known_backends_and_unknown_name():
     assert {"inprocess", "fork", "criu", "replay"} <= set(known_backends())
     with pytest.raises(ValueError, match="Unknown sandbox backend 'nope'"):
@@ -176,7 +208,10 @@ def test_env_with_child_processes_is_refused_by_fork_and_inprocess():
         assert sandbox.step("hello").observation == "1 hello"
         with pytest.raises(SnapshotUnsupportedError, match=r"child processes \[\d+ \(bash\)\]"):
             sandbox.snapshot()
+        with pytest.raises(SnapshotUnsupportedError, match="cannot copy.*child processes"):
+            backend.clone(sandbox, 2)
         assert sandbox.step("again").observation == "2 again"  # Refusal is not a fault.
+        assert backend.stats()["faults"] == 0 and backend.stats()["live_sandboxes"] == 1
     with make_backend("inprocess", "sandbox_shell") as backend:
         sandbox = backend.new_sandbox()
         sandbox.reset(CounterTask("t"))

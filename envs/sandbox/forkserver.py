@@ -99,18 +99,28 @@ class ForkBackend(SandboxBackend):
 
     # Process plumbing ---------------------------------------------------------------------------
 
-    def _spawn_from(self, parent: Remote, n: int, label: str) -> list[Remote]:
-        """Asks `parent` (zygote or frozen copy) for `n` new workers; pipelined."""
+    def _spawn_from(
+        self, parent: Remote, n: int, label: str, op: str = "spawn", on_fault=None
+    ) -> list[Remote]:
+        """Asks `parent` for `n` new workers (pipelined): `spawn` of the zygote or a frozen copy,
+        or `clone` of a live worker.
+
+        Raises:
+            SnapshotUnsupportedError: the parent refused (a worker with child processes).
+            SandboxFault: the parent failed; `on_fault` (default: kill it) has run.
+        """
+        if on_fault is None:
+
+            def on_fault(kind: str, reason: str) -> None:
+                parent.kill()
+
         pairs = [socket.socketpair() for _ in range(n)]
         calls: list[RemoteCall] = []
         try:
             for _, theirs in pairs:
                 calls.append(
                     parent.request(
-                        "spawn",
-                        timeout_s=_CONTROL_TIMEOUT_S,
-                        fds=[theirs.fileno()],
-                        on_fault=lambda kind, reason: parent.kill(),
+                        op, timeout_s=_CONTROL_TIMEOUT_S, fds=[theirs.fileno()], on_fault=on_fault
                     )
                 )
         finally:
@@ -130,6 +140,13 @@ class ForkBackend(SandboxBackend):
         if errors:
             for remote in remotes:
                 remote.kill()
+            if isinstance(errors[0], SandboxFault):
+                raise errors[0]
+            reason = getattr(errors[0], "refused_reason", None)
+            if reason is not None:
+                raise SnapshotUnsupportedError(
+                    f"The fork backend cannot copy env {self.env_name!r}: {reason}"
+                ) from errors[0]
             raise SandboxFault("crash", f"could not start {label}s: {errors[0]}")
         return remotes
 
@@ -171,6 +188,13 @@ class ForkBackend(SandboxBackend):
         if n == 0:
             return []
         remotes = self._spawn_from(record.remote, n, "fork worker")
+        return [ForkSandbox(self, remote) for remote in remotes]
+
+    def _clone(self, sandbox: Sandbox, n: int) -> list[Sandbox]:
+        assert isinstance(sandbox, ForkSandbox)
+        remotes = self._spawn_from(
+            sandbox.remote, n, "fork worker", op="clone", on_fault=sandbox._on_fault
+        )
         return [ForkSandbox(self, remote) for remote in remotes]
 
     def _restore_state(self, sandbox: Sandbox, handle: SnapshotHandle, record: _Frozen) -> None:

@@ -6,7 +6,8 @@ One process runs in one of three roles, switching roles only across `os.fork()`:
   and ignores SIGCHLD, so every descendant is reaped the moment it exits; when the trainer goes
   away (end of file on its channel, or SIGTERM from PR_SET_PDEATHSIG) it kills them all.
 - **worker**: owns one environment and serves reset/step (see `envs.sandbox.worker`). `snapshot`
-  forks it: the child becomes a *frozen* copy of the env.
+  forks it: the child becomes a *frozen* copy of the env. `clone` forks it too, and the child is
+  a new worker at the same state (a snapshot and a spawn in one fork).
 - **frozen**: never touches the env; `spawn` forks it again and the child becomes a worker that
   continues from the frozen state (copy-on-write, a few milliseconds), as often as asked.
 
@@ -79,7 +80,7 @@ def _claim_group(pid: int) -> None:
 def _after_fork(parent_channel: worker.Channel, new_fd: int) -> worker.Channel:
     """Common set-up of a forked child: own process group, own channel only."""
     parent_channel.close()
-    _frozen_children.clear()  # The parent's children, not ours.
+    _forked_children.clear()  # The parent's children, not ours.
     os.setpgid(0, 0)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     return _socket_channel(new_fd)
@@ -88,25 +89,30 @@ def _after_fork(parent_channel: worker.Channel, new_fd: int) -> worker.Channel:
 # --- worker --------------------------------------------------------------------------------------
 
 
-# Frozen copies this worker forked: its children until they exit, then zombies until reaped
-# (a worker cannot ignore SIGCHLD: its env may wait for children of its own).
-_frozen_children: set[int] = set()
+# Frozen copies and clones this worker forked: its children until they exit, then zombies until
+# reaped (a worker cannot ignore SIGCHLD: its env may wait for children of its own).
+_forked_children: set[int] = set()
 
 
-def _reap_frozen_children() -> None:
-    for pid in list(_frozen_children):
+def _reap_forked_children() -> None:
+    for pid in list(_forked_children):
         try:
             done, _ = os.waitpid(pid, os.WNOHANG)
         except ChildProcessError:
             done = pid
         if done:
-            _frozen_children.discard(pid)
+            _forked_children.discard(pid)
 
 
-def _op_snapshot(env: Any, channel: worker.Channel, args: tuple) -> int:
+def _fork_copy(env: Any, channel: worker.Channel, role: str) -> int:
+    """Forks this worker; the child takes up `role` on the channel whose fd came with the request.
+
+    Returns the child's pid (in the parent). The child leads its own process group and is
+    reaped by this worker (`_reap_forked_children`).
+    """
     (fd,) = channel.reader.take_fds(1)
-    _reap_frozen_children()
-    children = [p for p in procutil.child_pids(os.getpid()) if p not in _frozen_children]
+    _reap_forked_children()
+    children = [p for p in procutil.child_pids(os.getpid()) if p not in _forked_children]
     if children:
         os.close(fd)
         names = []
@@ -124,16 +130,27 @@ def _op_snapshot(env: Any, channel: worker.Channel, args: tuple) -> int:
     pid = _fork()
     if pid == 0:
         channel = _after_fork(channel, fd)
-        raise _Become("frozen", channel, env)
+        raise _Become(role, channel, env)
     _claim_group(pid)
-    _frozen_children.add(pid)
+    _forked_children.add(pid)
     os.close(fd)
     return pid
 
 
+def _op_snapshot(env: Any, channel: worker.Channel, args: tuple) -> int:
+    """A frozen copy of this worker (spawn more workers from it later)."""
+    return _fork_copy(env, channel, "frozen")
+
+
+def _op_clone(env: Any, channel: worker.Channel, args: tuple) -> int:
+    """A new worker at this worker's current state (a snapshot and a spawn in one fork)."""
+    return _fork_copy(env, channel, "worker")
+
+
 def _run_worker(env: Any, channel: worker.Channel) -> None:
     worker.reset_signals_for_worker()
-    worker.serve(env, channel, {"snapshot": _op_snapshot}, after_reply=_reap_frozen_children)
+    ops = {"snapshot": _op_snapshot, "clone": _op_clone}
+    worker.serve(env, channel, ops, after_reply=_reap_forked_children)
 
 
 # --- frozen copy ---------------------------------------------------------------------------------

@@ -225,8 +225,20 @@ class SandboxPool:
     def fork(self, handle: SnapshotHandle, n: int) -> list[int]:
         """`n` new live sandboxes at the snapshot's state; returns their ids."""
         self._check_open()
+        return self._adopt(self.backend.fork(handle, n))
+
+    def clone(self, sid: int, n: int) -> list[int]:
+        """`n` new live sandboxes at sandbox `sid`'s current state (which goes on); their ids.
+
+        See `SandboxBackend.clone`: cheaper than snapshot + fork + release on the fork server.
+        """
+        self._check_open()
+        return self._adopt(self.backend.clone(self._get(sid), n))
+
+    def _adopt(self, sandboxes: list[Sandbox]) -> list[int]:
+        """Gives new sandboxes ids in this pool."""
         sids = []
-        for sandbox in self.backend.fork(handle, n):
+        for sandbox in sandboxes:
             sid = next(self._ids)
             self._sandboxes[sid] = sandbox
             sids.append(sid)

@@ -368,7 +368,8 @@ def alfworld_case() -> AlfworldCase:
 
 
 def check_alfworld_parity(backend_name: str, case: AlfworldCase, **options: Any) -> None:
-    """Snapshot at step t, continue, restore, replay; two forks diverge; all match the reference.
+    """Snapshot at step t, continue, restore, replay; two forks diverge; a clone of the live
+    sandbox and the sandbox diverge; all match the reference.
 
     Observations, rewards, done flags and info dicts must equal the fresh-env reference exactly.
     """
@@ -390,6 +391,15 @@ def check_alfworld_parity(backend_name: str, case: AlfworldCase, **options: Any)
         assert got_a == case.ref_a[: len(got_a)]
         assert got_b == case.ref_b[: len(got_b)]
         assert got_a[0][0] != got_b[0][0]
+        sandbox.restore(handle)
+        (clone,) = backend.clone(sandbox, 1)  # A live copy; the original goes on unchanged.
+        assert clone.steps == sandbox.steps == len(case.prefix)
+        got_a, got_b = [], []
+        for a, b in zip(case.branch_a, case.branch_b):
+            got_a.append(tuple(sandbox.step(a)))
+            got_b.append(tuple(clone.step(b)))
+        assert got_a == case.ref_a[: len(got_a)]
+        assert got_b == case.ref_b[: len(got_b)]
         backend.release(handle)
         _expect(HandleError, lambda: backend.fork(handle, 1), "was released")
 

@@ -5,8 +5,9 @@ then times `snapshot()`, `fork(handle, 1)` (a restore into a new sandbox) and `c
 (a copy of the live sandbox: snapshot, fork and release in one call) a few times and reports
 medians, and the bytes a held snapshot costs (`stats()["snapshot_bytes"]` after the live
 sandbox has moved on a few steps, so that the fork backend's copy-on-write pages are counted).
-Targets: fork <= 10 ms and criu <= 300 ms per snapshot+restore, both flat in depth, while replay
-grows with depth. `inprocess` cannot snapshot ALFWorld and is listed with its error.
+Targets: a copy (a clone, or a fork of a held snapshot) within 10 ms on the fork server and
+300 ms with CRIU, both flat in depth, while replay grows with depth. `inprocess` cannot
+snapshot ALFWorld and is listed with its error.
 
 Usage:
     python bench/bench_sandbox.py [--json out.json] [--backends fork,criu,replay] [--repeats 3]

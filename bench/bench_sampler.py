@@ -6,6 +6,12 @@ is randomly initialised in PyTorch (float32), saved with `save_pretrained`, and 
 compared before anything is timed. Both then sample 64 tokens for 16 prompts of 256 tokens at
 the same temperature (no top-k / top-p, no early stop: our `eos_ids=()`, HF `min_new_tokens`).
 
+Ours runs as one data-parallel replica per core (`--replicas`, default the process's cores): the
+rows are split over a mesh's `data` axis (`init_cache(..., mesh=...)`) and `Sampler` runs each
+replica's rows as its own program, each on one CPU device (see `sampler.row_mesh`). HF's torch
+uses the same cores as threads. Ours as one program over the whole batch (all cores as XLA's
+intra-op threads) is timed too, as an aside.
+
 Timed, after a warm-up call of each (compile time reported separately):
   * ours: `prefill` and `generate`, each blocked on its result;
   * HF: `generate(max_new_tokens=64)` and `generate(max_new_tokens=1)` (prefill + first token);
@@ -44,10 +50,13 @@ import numpy as np
 import torch
 import transformers
 from flax import nnx
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
+from bpo_jax.models import sharding
 from bpo_jax.models.hf_import import load_hf_checkpoint
 from bpo_jax.models.llama import init_cache
-from bpo_jax.sampler import Sampler
+from bpo_jax.sampler import Sampler, row_mesh
 
 TARGET_SPEEDUP = 3.0  # decode tokens/s over HF generate, same threads
 
@@ -59,6 +68,18 @@ def parse_args():
     p.add_argument("--new-tokens", type=int, default=64)
     p.add_argument("--temperature", type=float, default=1.0)
     p.add_argument("--repeats", type=int, default=5, help="timed runs of each side")
+    p.add_argument(
+        "--replicas",
+        type=int,
+        default=len(os.sched_getaffinity(0)),
+        help="data-parallel replicas of our sampler, one CPU device each (default: cores)",
+    )
+    p.add_argument(
+        "--one-program",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="also time ours as one program over the whole batch (an aside)",
+    )
     p.add_argument(
         "--hf-one-thread",
         action=argparse.BooleanOptionalAction,
@@ -125,6 +146,10 @@ def main():
     args = parse_args()
     b, p, n = args.batch, args.prompt_len, args.new_tokens
     threads = len(os.sched_getaffinity(0))
+    if args.replicas < 1 or b % args.replicas:
+        raise SystemExit(f"--replicas {args.replicas} must be >= 1 and divide the batch {b}.")
+    # Before anything initialises JAX's CPU backend.
+    jax.config.update("jax_num_cpu_devices", max(args.replicas, 1))
     torch.set_num_threads(threads)
     load_start = os.getloadavg()
 
@@ -149,15 +174,24 @@ def main():
     sampler = Sampler(
         graphdef, eos_ids=(), pad_id=0, max_new_tokens=n, temperature=args.temperature
     )
+    mesh = sharding.make_mesh({"data": args.replicas}, devices=jax.devices()[: args.replicas])
+    replicated = jax.device_put(params, NamedSharding(mesh, P()))
 
-    def ours_run(seed):
-        cache = jax.block_until_ready(init_cache(cfg, b, capacity))
+    def ours_run(seed, replicas=True):
+        if replicas:
+            cache = jax.block_until_ready(init_cache(cfg, b, capacity, mesh=mesh))
+            if args.replicas > 1 and row_mesh(cache) is None:
+                raise SystemExit("The cache's rows are not split over the data axis.")
+            weights = replicated
+        else:
+            cache = jax.block_until_ready(init_cache(cfg, b, capacity))
+            weights = params
         settle()
         start = time.perf_counter()
-        state = sampler.prefill(params, cache, prompts)
+        state = sampler.prefill(weights, cache, prompts)
         jax.block_until_ready(state.last_logits)
         mid = time.perf_counter()
-        out = sampler.generate(params, state, jax.random.key(seed))  # returns host arrays
+        out = sampler.generate(weights, state, jax.random.key(seed))  # returns host arrays
         end = time.perf_counter()
         if out.tokens.shape != (b, n) or out.num_generated != b * n:
             raise SystemExit(f"Our sampler generated {out.num_generated} tokens, not {b * n}.")
@@ -195,13 +229,17 @@ def main():
 
     # ---------------------------------------------------------------- warm-up, then interleave
     warm_prefill, warm_decode, _ = ours_run(0)
+    if args.one_program:
+        ours_run(0, replicas=False)
     hf_warm_full, _ = hf_run()
     matmul_peak(repeats=1)
-    rows = {"ours": [], "hf": [], "hf_one_thread": []}
+    rows = {"ours": [], "ours_one_program": [], "hf": [], "hf_one_thread": []}
     peaks, loads = [], []
     for r in range(args.repeats):
         # Every side runs once per round, so a burst of load from other processes hits all.
         rows["ours"].append(ours_run(r + 1))
+        if args.one_program:
+            rows["ours_one_program"].append(ours_run(r + 1, replicas=False))
         rows["hf"].append(hf_run())
         if args.hf_one_thread:
             torch.set_num_threads(1)
@@ -210,14 +248,17 @@ def main():
         peaks.append(matmul_peak(repeats=2))
         loads.append(os.getloadavg()[0])
         one = rows["hf_one_thread"][-1] if args.hf_one_thread else (float("nan"),) * 2
+        single = rows["ours_one_program"][-1] if args.one_program else (float("nan"),) * 2
         print(
             f"round {r + 1}/{args.repeats}: ours prefill/decode "
-            f"{rows['ours'][-1][0]:.3f}/{rows['ours'][-1][1]:.3f} s, HF generate(64)/(1) "
+            f"{rows['ours'][-1][0]:.3f}/{rows['ours'][-1][1]:.3f} s (one program "
+            f"{single[0]:.3f}/{single[1]:.3f} s), HF generate(64)/(1) "
             f"{threads} threads {rows['hf'][-1][0]:.3f}/{rows['hf'][-1][1]:.3f} s, 1 thread "
             f"{one[0]:.3f}/{one[1]:.3f} s; load average {loads[-1]:.1f}",
             flush=True,
         )
     hf_one = rows.pop("hf_one_thread") or None
+    one_program = rows.pop("ours_one_program") or None
     peak = max(peaks)
     load_end = os.getloadavg()
 
@@ -239,6 +280,7 @@ def main():
             "repeats": args.repeats,
             "threads": threads,
             "torch_threads": threads,
+            "replicas": args.replicas,
             "model": {
                 "vocab": cfg.vocab_size,
                 "hidden": cfg.hidden_size,
@@ -296,6 +338,16 @@ def main():
         }
         results["raw_s"]["hf_one_thread"] = hf_one
         results["decode_speedup_vs_hf_one_thread"] = ours_decode_tps / (b * (n - 1) / one_decode)
+    if one_program is not None:
+        single_decode = med(t[1] for t in one_program)
+        results["ours_one_program"] = {
+            "prefill_s": med(t[0] for t in one_program),
+            "decode_s": single_decode,
+            "decode_tokens_per_s": b * steps / single_decode,
+            "end_to_end_tokens_per_s": b * n / (med(t[0] for t in one_program) + single_decode),
+        }
+        results["raw_s"]["ours_one_program"] = one_program
+        results["decode_speedup_one_program"] = b * steps / single_decode / hf_decode_tps
 
     print()
     print(
@@ -304,10 +356,16 @@ def main():
     )
     print(f"{'':32}{'decode tok/s':>14}{'end-to-end tok/s':>18}{'compile s':>11}")
     print(
-        f"{'ours (jitted sampler)':32}{ours_decode_tps:14.0f}"
+        f"{f'ours, {args.replicas} replica(s)':32}{ours_decode_tps:14.0f}"
         f"{results['ours']['end_to_end_tokens_per_s']:18.0f}"
         f"{results['ours']['compile_prefill_s'] + results['ours']['compile_generate_s']:11.1f}"
     )
+    if one_program is not None:
+        print(
+            f"{'ours, one program (aside)':32}"
+            f"{results['ours_one_program']['decode_tokens_per_s']:14.0f}"
+            f"{results['ours_one_program']['end_to_end_tokens_per_s']:18.0f}{'-':>11}"
+        )
     print(
         f"{f'HF generate, {threads} threads':32}{hf_decode_tps:14.0f}"
         f"{results['hf']['end_to_end_tokens_per_s']:18.0f}{'-':>11}"
@@ -339,6 +397,11 @@ def main():
         print(
             "not the headline, HF with 1 thread: decode speedup "
             f"{results['decode_speedup_vs_hf_one_thread']:.2f}x"
+        )
+    if one_program is not None:
+        print(
+            f"not the headline, ours as one program against HF with {threads} threads: "
+            f"{results['decode_speedup_one_program']:.2f}x"
         )
     print(
         f"our decode: {useful / o_decode / 1e9:.2f} GFLOP/s useful "

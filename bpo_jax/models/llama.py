@@ -22,9 +22,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import Mesh
 
 from bpo_jax.models.config import ModelConfig
-from bpo_jax.models.sharding import constrain
+from bpo_jax.models.sharding import constrain, named_sharding
 
 _NEG_INF = -0.7 * float(np.finfo(np.float32).max)
 # Logical axes of the head-major queries [B, K, G, T, E], keys [B, K, E, S] and values
@@ -136,18 +137,33 @@ class KVCache:
 
 
 def init_cache(
-    cfg: ModelConfig, batch_size: int, capacity: int | None = None, dtype=None
+    cfg: ModelConfig,
+    batch_size: int,
+    capacity: int | None = None,
+    dtype=None,
+    *,
+    mesh: Mesh | None = None,
 ) -> KVCache:
-    """An empty cache for `batch_size` rows of up to `capacity` (default max_seq_len) positions."""
+    """An empty cache for `batch_size` rows of up to `capacity` (default max_seq_len) positions.
+
+    With a `mesh`, rows are split over the mesh axes of the logical "batch" axis (those that
+    divide `batch_size`) and KV heads over those of "kv_heads", as the model's activations are;
+    `Sampler` then decodes each data-parallel replica's rows on their own.
+    """
     capacity = cfg.max_seq_len if capacity is None else capacity
     k_shape = (batch_size, cfg.num_kv_heads, cfg.resolved_head_dim, capacity)
     v_shape = (batch_size, cfg.num_kv_heads, capacity, cfg.resolved_head_dim)
     dtype = cfg.dtype if dtype is None else dtype
+
+    def zeros(shape, axes, dtype):
+        where = None if mesh is None else named_sharding(mesh, axes, shape)
+        return jnp.zeros(shape, dtype, device=where)
+
     # Distinct buffers per layer (not one array repeated), so each can be donated and updated.
     return KVCache(
-        k=tuple(jnp.zeros(k_shape, dtype) for _ in range(cfg.num_layers)),
-        v=tuple(jnp.zeros(v_shape, dtype) for _ in range(cfg.num_layers)),
-        lengths=jnp.zeros((batch_size,), jnp.int32),
+        k=tuple(zeros(k_shape, _KEY_AXES, dtype) for _ in range(cfg.num_layers)),
+        v=tuple(zeros(v_shape, _VALUE_AXES, dtype) for _ in range(cfg.num_layers)),
+        lengths=zeros((batch_size,), ("batch",), jnp.int32),
     )
 
 

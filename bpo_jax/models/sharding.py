@@ -136,10 +136,22 @@ def constrain(x: jax.Array, axes: Sequence[str | None]) -> jax.Array:
     unchanged; under one (including a mesh of fake CPU devices) the constraint is applied.
     """
     mesh = jax.sharding.get_abstract_mesh()
-    if mesh.empty:
+    if mesh.empty or mesh.are_all_axes_manual:
         return x
     spec = logical_to_spec(axes, x.shape, mesh)
+    if mesh.manual_axes:
+        # Inside a shard_map over some axes (the sampler's per-replica decode): the array is
+        # already this replica's block along them, so only the automatic axes are constrained.
+        spec = PartitionSpec(*(_without(entry, mesh.manual_axes) for entry in spec))
     return jax.lax.with_sharding_constraint(x, spec)
+
+
+def _without(entry, axes):
+    """A PartitionSpec entry with the mesh axes in `axes` removed."""
+    if entry is None:
+        return None
+    kept = tuple(a for a in ((entry,) if isinstance(entry, str) else entry) if a not in axes)
+    return None if not kept else kept[0] if len(kept) == 1 else kept
 
 
 def named_sharding(mesh: Mesh, axes: Sequence[str | None], shape: Sequence[int]) -> NamedSharding:

@@ -8,6 +8,7 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import Mesh
 
 from bpo_jax.models.llama import init_cache
 from bpo_jax.sampler import PrefillState, Sampler
@@ -56,6 +57,9 @@ class Policy:
 
     Attributes:
       params: the model's parameter state; the trainer swaps it after each update.
+      mesh: optional device mesh: contexts are allocated with their rows split over its batch
+        axes, so that with `data` > 1 each data-parallel replica samples its rows on its own
+        (see `Sampler`).
     """
 
     def __init__(
@@ -70,9 +74,11 @@ class Policy:
         temperature: float = 1.0,
         top_p: float = 1.0,
         length_bucket: int = 64,
+        mesh: Mesh | None = None,
     ):
         self.graphdef = graphdef
         self.params = params
+        self.mesh = mesh
         self.tokenizer = tokenizer
         self.cache_len = -(-cache_len // length_bucket) * length_bucket
         self.temperature = temperature
@@ -99,7 +105,7 @@ class Policy:
                 )
         batch = _batch_bucket(n)
         rows = list(prompts) + [[self.tokenizer.pad_id]] * (batch - n)
-        cache = init_cache(self.model_cfg, batch, self.cache_len)
+        cache = init_cache(self.model_cfg, batch, self.cache_len, mesh=self.mesh)
         state = self.sampler.prefill(self.params, cache, rows)
         return PolicyContext(state, [list(p) for p in prompts])
 

@@ -237,7 +237,7 @@ def main(argv):
         step, restored, _ = ckpt.restore(abstract_state=abstract_like(template))
         params = restored["train_state"].params
         ckpt.close()
-        policy = train.make_policy(cfg, graphdef, params, tokenizer, mcfg)
+        policy = train.make_policy(cfg, graphdef, params, tokenizer, mcfg, mesh)
         results = run_probe(
             pool,
             policy,

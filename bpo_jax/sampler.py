@@ -487,9 +487,16 @@ class Sampler:
         if rows.size and (rows.min() < 0 or rows.max() >= state.batch_size):
             raise ValueError(f"fork rows must lie in [0, {state.batch_size}), got {rows.tolist()}.")
         rows_j = jnp.asarray(rows)
+        cache = state.cache.take(rows_j)
+        last_logits = jnp.take(state.last_logits, rows_j, axis=0)
+        if row_mesh(state.cache) is not None:
+            # Keep the copies' rows split like the original's (where their number allows), so
+            # that the fork also decodes per replica.
+            cache = jax.tree.map(_rows_like, cache, state.cache)
+            last_logits = _rows_like(last_logits, state.last_logits)
         return PrefillState(
-            cache=state.cache.take(rows_j),
-            last_logits=jnp.take(state.last_logits, rows_j, axis=0),
+            cache=cache,
+            last_logits=last_logits,
             prefilled_b=np.zeros((rows.size,), np.int32),
             prefill_len=0,
         )
@@ -687,6 +694,18 @@ def row_mesh(cache: KVCache) -> Mesh | None:
     first = sharding.spec[0]
     axes = (first,) if isinstance(first, str) else tuple(first or ())
     return mesh if ROW_AXIS in axes else None
+
+
+def _rows_like(x: jax.Array, like: jax.Array) -> jax.Array:
+    """`x` laid out like `like` (a NamedSharding over its rows), if its row count allows."""
+    sharding = like.sharding
+    if not isinstance(sharding, NamedSharding) or not len(sharding.spec):
+        return x
+    first = sharding.spec[0]
+    axes = (first,) if isinstance(first, str) else tuple(first or ())
+    if x.shape[0] % math.prod(sharding.mesh.shape[a] for a in axes):
+        return x
+    return jax.device_put(x, sharding)
 
 
 def _per_replica(fn, mesh: Mesh, in_specs, out_specs):

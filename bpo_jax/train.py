@@ -103,7 +103,7 @@ def build_model(cfg: ExperimentConfig, tokenizer, mesh):
     return mcfg, create_model(mcfg, mesh=mesh, rules=cfg.mesh.rules, seed=cfg.seed)
 
 
-def make_policy(cfg: ExperimentConfig, graphdef, params, tokenizer, mcfg) -> Policy:
+def make_policy(cfg: ExperimentConfig, graphdef, params, tokenizer, mcfg, mesh=None) -> Policy:
     """The acting policy with the experiment's sampling settings and prompt budget."""
     return Policy(
         graphdef,
@@ -115,6 +115,7 @@ def make_policy(cfg: ExperimentConfig, graphdef, params, tokenizer, mcfg) -> Pol
         temperature=cfg.sampler.temperature,
         top_p=cfg.sampler.top_p,
         length_bucket=cfg.sampler.length_bucket,
+        mesh=mesh,
     )
 
 
@@ -246,7 +247,7 @@ def train_and_evaluate(config, workdir: str | Path) -> dict:
         mcfg, model = build_model(cfg, tokenizer, mesh)
         graphdef, params = nnx.split(model)
         del model
-        policy = make_policy(cfg, graphdef, params, tokenizer, mcfg)
+        policy = make_policy(cfg, graphdef, params, tokenizer, mcfg, mesh)
         updater = RLUpdater(graphdef, cfg, tokenizer.pad_id, writer.write)
         key = jax.random.key(cfg.seed)
         rollout_state = RolloutState.create(cfg)

@@ -97,6 +97,20 @@ _SCRIPT = textwrap.dedent(
     odd = init_cache(cfg, 3, 96, mesh=mesh)
     out["odd_mesh"] = sampler_lib.row_mesh(odd) is None
 
+    # Forks keep the rows split (when their number divides), and continue like the original.
+    state = dp_sampler.prefill(rep, init_cache(cfg, 8, 96, mesh=mesh), prompts)
+    ref_state = ref_sampler.prefill(params, init_cache(cfg, 8, 96), prompts)
+    fork_rows = [3, 3, 0, 5]
+    fork_keys = keys[:4]
+    forks = {}
+    sides = (("data", dp_sampler, state, rep), ("ref", ref_sampler, ref_state, params))
+    for name, smp, st, w in sides:
+        forked = smp.fork(st, fork_rows)
+        forks[name + "_mesh"] = sampler_lib.row_mesh(forked.cache) is not None
+        forks[name] = np.asarray(smp.generate(w, forked, fork_keys).logprobs).tolist()
+        forks[name + "_odd_mesh"] = sampler_lib.row_mesh(smp.fork(st, [1, 2, 3]).cache) is not None
+    out["forks"] = forks
+
     # Rows over data=2 and heads over tensor=2, under the mesh and its rules.
     mesh2 = sharding.make_mesh((2, 1, 2))
     with jax.set_mesh(mesh2):
@@ -163,6 +177,18 @@ def test_per_replica_decode_has_no_collective_but_the_step_count(run):
 
 def test_indivisible_batch_is_not_split(run):
     assert run["odd_mesh"]
+    assert not run["forks"]["data_odd_mesh"]
+
+
+def test_forks_stay_split_and_continue_like_one_program(run):
+    forks = run["forks"]
+    assert forks["data_mesh"] and not forks["ref_mesh"]
+    diff = max(
+        abs(a - b)
+        for row_a, row_b in zip(forks["data"], forks["ref"], strict=True)
+        for a, b in zip(row_a, row_b, strict=True)
+    )
+    assert diff < 1e-4
 
 
 def test_tensor_axis_stays_automatic_inside_replicas(run):

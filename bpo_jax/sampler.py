@@ -318,7 +318,7 @@ class Sampler:
     it with `init_cache(..., mesh=mesh)`), `prefill` and `generate` run each replica's rows as
     its own program (`row_mesh`, `_per_replica`), with no communication inside the decode loop.
     On a CPU with one device per core this is what uses the cores: XLA's intra-op threads barely
-    help a decode step's small matmuls, and the 2-core `bench/bench_sampler.py` decodes 1.4x
+    help a decode step's small matmuls, and the 2-core `bench/bench_sampler.py` decodes 1.45-1.5x
     faster as 2 replicas than as one program. Results are the same either way.
     """
 
@@ -723,6 +723,8 @@ def _per_replica(fn, mesh: Mesh, in_specs, out_specs):
         in_specs=in_specs,
         out_specs=out_specs,
         axis_names=frozenset({ROW_AXIS}),
+        # The decode loop's carry starts from replicated constants (step 0, empty buffers) that
+        # become per-replica values; the outputs' specs above say which are which.
         check_vma=False,
     )
 

@@ -686,26 +686,25 @@ def row_mesh(cache: KVCache) -> Mesh | None:
     The sampler then runs one program per replica on its own rows (`_per_replica`).
     """
     sharding = getattr(cache.lengths, "sharding", None)
+    if ROW_AXIS not in _row_axes(sharding) or sharding.mesh.shape[ROW_AXIS] == 1:
+        return None
+    return sharding.mesh
+
+
+def _row_axes(sharding) -> tuple[str, ...]:
+    """The mesh axes a NamedSharding splits dimension 0 (the rows) over; () for any other."""
     if not isinstance(sharding, NamedSharding) or not len(sharding.spec):
-        return None
-    mesh = sharding.mesh
-    if dict(mesh.shape).get(ROW_AXIS, 1) == 1:
-        return None
+        return ()
     first = sharding.spec[0]
-    axes = (first,) if isinstance(first, str) else tuple(first or ())
-    return mesh if ROW_AXIS in axes else None
+    return (first,) if isinstance(first, str) else tuple(first or ())
 
 
 def _rows_like(x: jax.Array, like: jax.Array) -> jax.Array:
     """`x` laid out like `like` (a NamedSharding over its rows), if its row count allows."""
-    sharding = like.sharding
-    if not isinstance(sharding, NamedSharding) or not len(sharding.spec):
+    axes = _row_axes(like.sharding)
+    if not axes or x.shape[0] % math.prod(like.sharding.mesh.shape[a] for a in axes):
         return x
-    first = sharding.spec[0]
-    axes = (first,) if isinstance(first, str) else tuple(first or ())
-    if x.shape[0] % math.prod(sharding.mesh.shape[a] for a in axes):
-        return x
-    return jax.device_put(x, sharding)
+    return jax.device_put(x, like.sharding)
 
 
 def _per_replica(fn, mesh: Mesh, in_specs, out_specs):

@@ -84,7 +84,9 @@ def base_config(
     c.model.param_dtype = "float32"  # Parameter (and optimizer-state) dtype.
 
     # Device mesh (data, fsdp, tensor); -1 takes the remaining devices. Logical-axis rules map the
-    # model's named axes to mesh axes (see bpo_jax/models/sharding.py).
+    # model's named axes to mesh axes (see bpo_jax/models/sharding.py). With data > 1 the sampler
+    # decodes each data-parallel replica's rows as its own program, with no communication in the
+    # decode loop (see bpo_jax/sampler.py); a batch that data does not divide is one program.
     c.mesh = ml_collections.ConfigDict()
     c.mesh.data = 1
     c.mesh.fsdp = -1

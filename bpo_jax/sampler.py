@@ -318,7 +318,7 @@ class Sampler:
     it with `init_cache(..., mesh=mesh)`), `prefill` and `generate` run each replica's rows as
     its own program (`row_mesh`, `_per_replica`), with no communication inside the decode loop.
     On a CPU with one device per core this is what uses the cores: XLA's intra-op threads barely
-    help a decode step's small matmuls, and the 2-core `bench/bench_sampler.py` decodes 1.45-1.5x
+    help a decode step's small matmuls, and the 2-core `bench/bench_sampler.py` decodes 1.44-1.51x
     faster as 2 replicas than as one program. Results are the same either way.
     """
 

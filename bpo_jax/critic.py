@@ -16,6 +16,8 @@ import numpy as np
 import optax
 from flax import nnx
 
+from bpo_jax.estimators import DEFAULT_EPS, Forest, register_estimator
+
 
 def init_value_head(key, dim: int, hidden: int = 256) -> dict:
     """Parameters of a one-hidden-layer MLP, D -> hidden -> 1."""
@@ -65,6 +67,55 @@ def gae(step_segment, rewards, values, gamma, lam):
     _, adv = jax.lax.scan(back, jnp.float32(0.0), (deltas, continues), reverse=True)
     adv = jnp.where(seg >= 0, adv, 0.0)
     return adv, jnp.where(seg >= 0, adv + values, 0.0)
+
+
+@jax.jit
+def _normalised_gae(step_segment, rewards, values, gamma, lam, eps):
+    adv, _ = gae(step_segment, rewards, values, gamma, lam)
+    real = step_segment >= 0
+    n = jnp.maximum(jnp.sum(real), 1)
+    mean = jnp.sum(jnp.where(real, adv, 0.0)) / n
+    std = jnp.sqrt(jnp.sum(jnp.where(real, (adv - mean) ** 2, 0.0)) / n)
+    return jnp.where(real, (adv - mean) / (std + eps), 0.0)
+
+
+@register_estimator("gae", per_step=True)
+def gae_advantages(
+    forest: Forest, *, values, gamma: float, lam: float, eps: float = DEFAULT_EPS
+) -> jax.Array:
+    """PPO's advantages: turn-level GAE, normalised over the batch's real steps.
+
+    Args:
+      forest: a depth-1 forest (every segment one whole trajectory), with `step_segment` and
+        `step_reward`.
+      values: float32 [T], the critic's V(prompt) of every step (0 on padding steps).
+      gamma, lam: discount and GAE lambda.
+      eps: added to the batch std.
+
+    Returns:
+      float32 [T], 0 on padding steps.
+    """
+    if forest.step_segment is None or forest.step_reward is None:
+        raise ValueError("gae needs forest.step_segment and forest.step_reward")
+    if not isinstance(forest.seg_child, jax.core.Tracer):
+        inner = int((np.asarray(forest.seg_child) >= 0).sum())
+        if inner:
+            raise ValueError(
+                "gae runs on independent trajectories (a depth-1 forest); this forest has "
+                f"{inner} segment(s) that end at a branch point"
+            )
+    step_segment = jnp.asarray(forest.step_segment, jnp.int32)
+    values = jnp.asarray(values, jnp.float32)
+    if values.shape != step_segment.shape:
+        raise ValueError(f"values has shape {values.shape}, expected {step_segment.shape}")
+    return _normalised_gae(
+        step_segment,
+        jnp.asarray(forest.step_reward, jnp.float32),
+        values,
+        jnp.float32(gamma),
+        jnp.float32(lam),
+        jnp.float32(eps),
+    )
 
 
 class Critic:

@@ -50,6 +50,8 @@ class StepRecord:
     observation: str  # What the environment answered.
     reward: float
     state_text: str = ""  # The observation the action was taken on (GiGPO's anchor state).
+    # No parseable action, or the env said the action did nothing (`info["invalid_action"]`).
+    invalid: bool = False
 
 
 @dataclasses.dataclass
@@ -137,33 +139,39 @@ class RolloutForest:
             )
         return out
 
-    def to_forest(self, with_obs_ids: bool = False) -> Forest:
-        """The estimator's arrays, padded to powers of two so jitted kernels compile rarely."""
+    def arrays(self, with_obs_ids: bool = False) -> ForestArrays:
+        """The estimator's arrays, padded to powers of two so jitted kernels compile rarely.
+
+        Steps are laid out in `steps()` order; `ForestArrays.unpad_steps` maps a per-step result
+        of a kernel back to that order.
+        """
         num_seg = len(self.segments)
         steps = self.steps()
         s_pad, t_pad, n_pad = (_bucket(num_seg), _bucket(len(steps)), _bucket(self.num_nodes))
         seg_parent = np.full((s_pad,), -1, np.int32)
         seg_child = np.full((s_pad,), -1, np.int32)
         seg_reward = np.zeros((s_pad,), np.float32)
-        step_segment = np.full((t_pad,), -1, np.int32)
-        step_reward = np.zeros((t_pad,), np.float32)
-        t = 0
+        seg_len = np.zeros((s_pad,), np.int32)
         for s, seg in enumerate(self.segments):
             seg_parent[s], seg_child[s], seg_reward[s] = seg.parent, seg.child, seg.reward
-            for step in seg.steps:
-                step_segment[t], step_reward[t] = s, step.reward
-                t += 1
+            seg_len[s] = len(seg.steps)
+        step_segment = np.full((t_pad,), -1, np.int32)
+        step_segment[: len(steps)] = np.repeat(
+            np.arange(num_seg, dtype=np.int32), seg_len[:num_seg]
+        )
+        step_reward = np.zeros((t_pad,), np.float32)
+        step_reward[: len(steps)] = [step.reward for step in steps]
         obs_id = None
         if with_obs_ids:
             # GiGPO's anchor states: steps taken on the same observation text (within a task).
             ids: dict[tuple[int, str], int] = {}
             obs_id = np.full((t_pad,), -1, np.int32)
-            t = 0
-            for seg in self.segments:
-                for step in seg.steps:
-                    obs_id[t] = ids.setdefault((seg.task, step.state_text), len(ids))
-                    t += 1
-        return Forest(
+            obs_id[: len(steps)] = [
+                ids.setdefault((seg.task, step.state_text), len(ids))
+                for seg in self.segments
+                for step in seg.steps
+            ]
+        forest = Forest(
             seg_parent=seg_parent,
             seg_child=seg_child,
             seg_reward=seg_reward,
@@ -172,10 +180,15 @@ class RolloutForest:
             step_reward=step_reward,
             step_obs_id=obs_id,
         )
+        return ForestArrays(forest, seg_len, num_seg, len(steps))
+
+    def to_forest(self, with_obs_ids: bool = False) -> Forest:
+        """`arrays(with_obs_ids).forest`: the padded `estimators.Forest` alone."""
+        return self.arrays(with_obs_ids).forest
 
     def leaf_mass(self) -> np.ndarray:
         """Probability of each leaf's path under a uniform descent of its task's tree."""
-        w = self._segment_mass()
+        w = self.arrays().segment_mass()
         return np.array([w[leaf.segments[-1]] for leaf in self.leaves], np.float64)
 
     def step_weights(self, mode: str) -> np.ndarray:
@@ -191,31 +204,62 @@ class RolloutForest:
         """
         if mode not in STEP_WEIGHTINGS:
             raise ValueError(f"Unknown step weighting {mode!r}; expected one of {STEP_WEIGHTINGS}.")
-        num_seg = len(self.segments)
+        a = self.arrays()
         if mode == "uniform":
-            per_seg = np.ones((num_seg,), np.float64)
+            per_seg = np.ones((a.num_segments,), np.float64)
         elif mode == "path_mass":
-            per_seg = self._segment_mass()
+            per_seg = a.segment_mass()
         else:
-            w = self._segment_mass()
-            per_seg = np.zeros((num_seg,), np.float64)
+            w = a.segment_mass()
+            per_seg = np.zeros((a.num_segments,), np.float64)
             for leaf in self.leaves:
                 length = sum(len(self.segments[s].steps) for s in leaf.segments)
                 for s in leaf.segments:
                     per_seg[s] += w[leaf.segments[-1]] / max(length, 1)
-        return np.concatenate(
-            [np.full((len(seg.steps),), per_seg[s]) for s, seg in enumerate(self.segments)]
-            or [np.zeros((0,))]
-        )
+        return a.segments_to_steps(per_seg)
 
-    def _segment_mass(self) -> np.ndarray:
-        num_seg = len(self.segments)
-        parent = np.full((_bucket(num_seg),), -1, np.int32)
-        child = np.full((_bucket(num_seg),), -1, np.int32)
-        for s, seg in enumerate(self.segments):
-            parent[s], child[s] = seg.parent, seg.child
-        w = segment_weights(parent, child, _bucket(self.num_nodes))
-        return np.asarray(w, np.float64)[:num_seg]
+
+@dataclasses.dataclass(frozen=True)
+class ForestArrays:
+    """A `RolloutForest` as the estimator's padded arrays, and the way back.
+
+    Attributes:
+      forest: the padded `estimators.Forest` (segments [S], steps [T], nodes; -1 / 0 padding).
+      seg_len: int32 [S] steps in each segment (0 for padding).
+      num_segments, num_steps: the real sizes (the rest is padding).
+    """
+
+    forest: Forest
+    seg_len: np.ndarray
+    num_segments: int
+    num_steps: int
+
+    def pad_steps(self, x_t) -> np.ndarray:
+        """[num_steps] -> [T] float32 with zeros on the padding steps."""
+        x_t = np.asarray(x_t, np.float32)
+        if x_t.shape != (self.num_steps,):
+            raise ValueError(f"expected {self.num_steps} per-step values, got shape {x_t.shape}.")
+        out = np.zeros(self.forest.step_segment.shape, np.float32)
+        out[: self.num_steps] = x_t
+        return out
+
+    def unpad_steps(self, x_t) -> np.ndarray:
+        """[T] (a kernel's per-step result) -> [num_steps], in `RolloutForest.steps()` order."""
+        return np.asarray(x_t)[: self.num_steps]
+
+    def unpad_segments(self, x_s) -> np.ndarray:
+        return np.asarray(x_s)[: self.num_segments]
+
+    def segments_to_steps(self, x_s) -> np.ndarray:
+        """Per-segment values [num_segments] (or [S]) -> per step [num_steps]."""
+        x_s = np.asarray(x_s)[: self.num_segments]
+        return np.repeat(x_s, self.seg_len[: self.num_segments]).astype(np.float64)
+
+    def segment_mass(self) -> np.ndarray:
+        """`estimators.segment_weights` of the real segments, float64 [num_segments]."""
+        f = self.forest
+        w = segment_weights(f.seg_parent, f.seg_child, f.num_nodes)
+        return np.asarray(w, np.float64)[: self.num_segments]
 
 
 def _bucket(n: int, minimum: int = 16) -> int:

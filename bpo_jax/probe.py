@@ -29,9 +29,11 @@ import numpy as np
 import optax
 
 from bpo_jax import learner
-from bpo_jax.config import ALGOS, ExperimentConfig
-from bpo_jax.rl import RolloutState, forest_advantages, forest_examples, round_up, tree_spec
-from bpo_jax.rollout import play_forest, prompt_encoder
+from bpo_jax.algorithms import ALGORITHMS
+from bpo_jax.builders import make_critic
+from bpo_jax.config import ExperimentConfig
+from bpo_jax.learner import round_up
+from bpo_jax.rl import RolloutState, forest_advantages, forest_examples, play_batch
 
 
 def make_grad_fn(graphdef, temperature: float, loss_agg: str):
@@ -120,39 +122,26 @@ class _Moments:
 
 def run_probe(pool, policy, graphdef, params, tasks, cfg, algos, num_batches, rng, pad_id):
     """Plays `num_batches` batches per algorithm at matched compute; returns the statistics."""
-    if len(algos) < 1 or any(a not in ALGOS for a in algos):
-        raise ValueError(f"algos must name algorithms in {sorted(ALGOS)}, got {algos}.")
+    if len(algos) < 1 or any(a not in ALGORITHMS for a in algos):
+        raise ValueError(f"algos must name algorithms in {sorted(ALGORITHMS)}, got {algos}.")
     grad_fn = make_grad_fn(graphdef, cfg.sampler.temperature, cfg.train.loss_agg)
     logprob_fn = learner.make_logprob_fn(graphdef, cfg.sampler.temperature)
-    encode = prompt_encoder(policy.tokenizer, cfg.agent.history_turns, cfg.agent.max_prompt_tokens)
     policy.params = params
     shared = RolloutState.create(cfg)
     results, budget = {}, None
     for ai, algo in enumerate(algos):
         acfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, algo=algo))
-        if budget is not None and ALGOS[algo][0] == "tree":
+        if budget is not None and ALGORITHMS[algo].branches:
             matched = dataclasses.replace(cfg.rollout, budget=budget)
             acfg = dataclasses.replace(acfg, rollout=matched)
         state = dataclasses.replace(shared, selector=RolloutState.create(acfg).selector)
         if hasattr(state.selector, "observe") and shared_entropies(results):
             state.selector.observe(shared_entropies(results))
-        critic = None
-        if ALGOS[algo][1] == "gae":
-            from bpo_jax.critic import Critic
-
-            critic = Critic(graphdef, _width(params), cfg.train.value_lr, 4, cfg.seed, pad_id)
+        critic = make_critic(acfg, graphdef, _width(params), pad_id)
         moments, costs, first_entropies = _Moments(), [], []
         for m in range(num_batches):
-            forest = play_forest(
-                pool,
-                policy,
-                encode,
-                tasks,
-                tree_spec(acfg, state),
-                rng=jax.random.fold_in(rng, 1000 * ai + m),
-                selector=state.selector,
-                lengths=state.lengths,
-                costs=state.costs,
+            forest, _ = play_batch(
+                pool, policy, tasks, acfg, state, jax.random.fold_in(rng, 1000 * ai + m)
             )
             adv, _ = forest_advantages(forest, acfg, critic, params)
             examples = forest_examples(forest, adv, forest.step_weights(cfg.train.step_weighting))
@@ -197,47 +186,35 @@ def main(argv):
     from absl import logging as absl_logging
     from flax import nnx
 
-    from bpo_jax import train
-    from bpo_jax.checkpoint import Checkpointer, abstract_like
+    from bpo_jax import builders
+    from bpo_jax.checkpoint import Checkpointer
     from bpo_jax.config import validate
     from bpo_jax.metrics import MetricWriter
     from bpo_jax.models import sharding
-    from envs.sandbox import SandboxPool
+    from bpo_jax.run_state import initial_state
 
     absl_logging.set_verbosity(absl_logging.WARNING)  # Orbax logs every checkpoint operation.
     f = flags.FLAGS
     cfg = validate(f.config)
     workdir = Path(f.workdir).absolute()
     algos = [a.strip() for a in f.algos.split(",") if a.strip()]
-    train_tasks, _ = train.select_tasks(cfg)
+    train_tasks, _ = builders.select_tasks(cfg)
     tasks = train_tasks[: cfg.train.tasks_per_iter]
-    mesh = sharding.make_mesh(
-        {"data": cfg.mesh.data, "fsdp": cfg.mesh.fsdp, "tensor": cfg.mesh.tensor}
-    )
-    env_kwargs = {
-        "max_steps": cfg.env.max_steps,
-        "invalid_action_penalty": cfg.env.invalid_action_penalty,
-        **dict(cfg.env.env_options),
-    }
-    pool = SandboxPool(
-        cfg.env.name, env_kwargs, backend=cfg.env.sandbox_backend, num_workers=cfg.env.num_workers
-    )
-    with pool, jax.set_mesh(mesh), sharding.axis_rules(cfg.mesh.rules):
-        tokenizer = train.build_tokenizer(cfg, workdir, demos=[])
-        mcfg, model = train.build_model(cfg, tokenizer, mesh)
+    mesh = sharding.make_mesh(cfg.mesh.axes)
+    with builders.make_pool(cfg) as pool, jax.set_mesh(mesh), sharding.axis_rules(cfg.mesh.rules):
+        tokenizer = builders.build_tokenizer(cfg, workdir, demos=[])
+        mcfg, model = builders.build_model(cfg, tokenizer, mesh)
         graphdef, params = nnx.split(model)
         ckpt = Checkpointer(workdir / "checkpoints")
         if ckpt.latest_step() is None:
             raise FileNotFoundError(f"No checkpoint in {workdir / 'checkpoints'}: train first.")
+        # The run's own state layout (critic and KL reference included), restored as it was saved.
+        critic = builders.make_critic(cfg, graphdef, mcfg.hidden_size, tokenizer.pad_id)
         optimizer = learner.make_optimizer(1.0, 0.0, 0.9, 0.999, cfg.train.grad_clip)
-        state = learner.TrainState(params, optimizer.init(params), jnp.zeros((), jnp.int32))
-        template = {"train_state": state, "rng": jax.random.key(0)}
-        if cfg.train.kl_coef > 0:
-            template["ref_params"] = params
-        step, restored, _ = ckpt.restore(abstract_state=abstract_like(template))
-        params = restored["train_state"].params
+        state = initial_state(cfg, params, optimizer, critic).restore(ckpt)
         ckpt.close()
-        policy = train.make_policy(cfg, graphdef, params, tokenizer, mcfg, mesh)
+        step, params = state.step, state.train.params
+        policy = builders.make_policy(cfg, graphdef, params, tokenizer, mcfg, mesh)
         results = run_probe(
             pool,
             policy,

@@ -14,6 +14,10 @@ One engine serves every topology (DESIGN.md, "Data flow"):
 Every live path advances in lockstep: one prefill + one batched sampling call per turn (plus one
 for the extra children of that turn's branch points) and one parallel `step_many` across the
 pool's worker processes.
+
+Roles: `_Lockstep` (here) owns the sandboxes and the policy calls; `forest_builder.ForestBuilder`
+the segments, nodes and leaves; `planner.BranchPlanner` the branch rule, branch budgets and
+spending; `posthoc` the biased post-hoc ablation.
 """
 
 from __future__ import annotations
@@ -27,22 +31,11 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 from bpo_jax.agent import EpisodeText, encode_prompt, parse_action
-from bpo_jax.branching import (
-    BUDGET_UNITS,
-    BranchSelector,
-    CostModel,
-    LengthModel,
-    PostHocTopK,
-    action_entropy,
-)
-from bpo_jax.forest import (
-    ComputeStats,
-    Leaf,
-    RolloutForest,
-    Segment,
-    StepRecord,
-    Trajectory,
-)
+from bpo_jax.branching import BUDGET_UNITS, BranchSelector, CostModel, LengthModel, action_entropy
+from bpo_jax.forest import ComputeStats, RolloutForest, StepRecord, Trajectory
+from bpo_jax.forest_builder import ForestBuilder, LivePath
+from bpo_jax.planner import BranchPlanner
+from bpo_jax.posthoc import posthoc_branches
 
 __all__ = [
     "ComputeStats",
@@ -94,47 +87,22 @@ class TreeSpec:
         return self.branch_budget > 0 and self.max_depth > 0
 
 
-@dataclasses.dataclass
-class _Path:
-    """A live episode: its sandbox, its text so far and where it sits in the forest."""
+class _Lockstep:
+    """Plays every live path of a batch, one turn at a time (sandbox lifecycle and sampling).
 
-    sid: int
-    task: int
-    backbone: int
-    episode: EpisodeText
-    segments: list[int]  # Root to the current segment.
-    depth: int = 0
-    t: int = 0  # Steps taken since the task's initial state.
-    # Post-hoc branching only: a snapshot and the episode text before every step.
-    history: list[tuple[object, EpisodeText]] = dataclasses.field(default_factory=list)
+    Forest bookkeeping is the builder's, branch decisions and spending the planner's; this
+    class owns the sandboxes (every live path holds one, closed on any exit) and the policy calls.
+    """
 
-
-class _Engine:
-    def __init__(
-        self, pool, policy, encode, tasks, spec, selector, lengths, costs, rng, greedy, bar
-    ):
+    def __init__(self, pool, policy, encode, tasks, spec, planner, rng, greedy, bar):
         self.pool, self.policy, self.encode, self.rng = pool, policy, encode, rng
-        self.tasks, self.spec, self.selector = list(tasks), spec, selector
-        self.lengths, self.costs, self.greedy, self.bar = lengths, costs, greedy, bar
+        self.tasks, self.spec, self.planner = list(tasks), spec, planner
+        self.greedy, self.bar = greedy, bar
         self.stats = ComputeStats()
-        self.segments: list[Segment] = []
-        self.leaves: list[Leaf] = []
-        self.node_task = list(range(len(self.tasks)))
-        self.spent = np.zeros((len(self.tasks),), np.float64)
-        self.branches_left: list[int] = []
-        self.finished_backbones: list[_Path] = []
-        self.live: list[_Path] = []  # Paths with an open sandbox (closed on any exit).
+        self.builder = ForestBuilder(len(self.tasks))
+        self.finished_backbones: list[LivePath] = []
+        self.live: list[LivePath] = []  # Paths with an open sandbox (closed on any exit).
         self.turn = 0
-
-    # ---------------------------------------------------------------- building blocks
-
-    def _new_segment(self, task: int, parent: int) -> int:
-        self.segments.append(Segment(task=task, parent=parent))
-        return len(self.segments) - 1
-
-    def _new_node(self, task: int) -> int:
-        self.node_task.append(task)
-        return len(self.node_task) - 1
 
     def start(self) -> None:
         k0 = self.spec.root_group
@@ -145,138 +113,76 @@ class _Engine:
             sids = [sid, *self.pool.clone(sid, k0 - 1)]
             self.stats.clones += k0 - 1
             for fsid in sids:
-                self.branches_left.append(self.spec.branch_budget)
-                self.live.append(
-                    _Path(
-                        sid=fsid,
-                        task=ti,
-                        backbone=len(self.branches_left) - 1,
-                        episode=EpisodeText.start(obs, goal=info.get("goal")),
-                        segments=[self._new_segment(ti, ti)],
-                    )
+                path = self.builder.start_path(
+                    ti, sid=fsid, episode=EpisodeText.start(obs, goal=info.get("goal"))
                 )
+                self.planner.add_backbone(path)
+                self.live.append(path)
 
     def _key(self, salt: int):
         import jax  # Local: keeps this module importable without initialising JAX.
 
         return jax.random.fold_in(self.rng, 2 * self.turn + salt)
 
-    def _expected_cost(self, t: int) -> float:
-        """Expected cost of a path's steps from its step t on (t steps taken, step t included)."""
-        return self.costs.of_steps(self.lengths.remaining(t))
-
-    # ---------------------------------------------------------------- online branching
-
-    def _may_branch(self, live: list[_Path]) -> bool:
-        spec = self.spec
-        return (
-            spec.branches
-            and self.selector is not None
-            and self.selector.online
-            and any(p.depth < spec.max_depth and self.branches_left[p.backbone] for p in live)
-        )
-
-    def _choose_branches(self, live: list[_Path], entropies: np.ndarray) -> list[int]:
-        """Indices into `live` of the paths that branch at this turn (online rules only)."""
-        spec = self.spec
-        if not (spec.branches and self.selector is not None and self.selector.online):
-            return []
-        self.selector.observe(entropies)
-        scores = self.selector.scores(entropies, np.array([p.t for p in live]))
-        eligible = [
-            i
-            for i, p in enumerate(live)
-            if not np.isnan(scores[i])
-            and p.depth < spec.max_depth
-            and self.branches_left[p.backbone] > 0
-        ]
-        eligible.sort(key=lambda i: -scores[i])
-        # Committed spending per task: what it spent before this turn plus what its live paths
-        # are expected to spend from this turn's action on.
-        committed = self.spent.copy()
-        for p in live:
-            committed[p.task] += self._expected_cost(p.t)
-        chosen = []
-        for i in eligible:
-            p = live[i]
-            extra = (spec.num_branches - 1) * self._expected_cost(p.t)
-            if self.branches_left[p.backbone] > 0 and committed[p.task] + extra <= spec.budget:
-                committed[p.task] += extra
-                self.branches_left[p.backbone] -= 1
-                chosen.append(i)
-        return chosen
-
-    def _branch_where(self, live: list[_Path], rows: list[int], entropies: np.ndarray) -> None:
-        """Branches the paths the rule picks.
+    def _branch_where(self, live: list[LivePath], rows: list[int], entropies: np.ndarray) -> None:
+        """Branches the paths the planner picks.
 
         The children join `live` (which also puts their sandboxes in the clean-up on error) and
         `rows` (they sample from their parent's context row).
         """
-        for i in self._choose_branches(live, entropies):
+        for i in self.planner.choose(live, entropies):
             children = self._branch(live[i])
             live.extend(children)
             rows.extend([i] * len(children))
 
-    def _branch(self, p: _Path) -> list[_Path]:
-        """Turns p's current state into a node with p plus K - 1 forked children."""
+    def _branch(self, p: LivePath) -> list[LivePath]:
+        """Turns p's current state into a node with p plus K - 1 children in sandbox copies."""
         from envs.sandbox import SandboxError  # Local: the sandbox package is optional here.
 
-        k = self.spec.num_branches
         try:
             # Copies of the live sandbox before the step (a snapshot and K - 1 forks of it in one
             # go: on the fork server, one os.fork per copy).
-            sids = self.pool.clone(p.sid, k - 1)
+            sids = self.pool.clone(p.sid, self.spec.num_branches - 1)
         except SandboxError as e:
             log.warning("Branch at step %d of task %s skipped: %s", p.t, p.task, e)
-            self.branches_left[p.backbone] += 1
+            self.planner.refund(p)
             return []
         self.stats.clones += len(sids)
-        node = self._new_node(p.task)
-        self.segments[p.segments[-1]].child = node
-        prefix = list(p.segments)  # Ends with the segment that now ends at the node.
-        p.segments = prefix + [self._new_segment(p.task, node)]
-        p.depth += 1
-        return [
-            dataclasses.replace(
-                p,
-                sid=sid,
-                episode=copy.deepcopy(p.episode),
-                segments=prefix + [self._new_segment(p.task, node)],
-                history=[],
-            )
-            for sid in sids
-        ]
+        children = self.builder.branch(p, len(sids))
+        for child, sid in zip(children, sids):
+            child.sid = sid
+        return children
 
-    # ---------------------------------------------------------------- the lockstep loop
+    def _sample(self, live: list[LivePath], ctx, rows: list[int]):
+        """This turn's actions: one per live path, children included (they join `live`)."""
+        if self.spec.entropy_reduce == "first" or not self.planner.may_branch(live):
+            # The branch rule sees h_t only (the first token's distribution), so every
+            # path's action and every child's action come from one sampling call.
+            self._branch_where(live, rows, self.policy.next_token_entropy(ctx))
+            return self.policy.sample(ctx, self._key(0), rows=rows, greedy=self.greedy)
+        # "mean" / "max" look at the backbone's sampled action first (an ablation).
+        samples = self.policy.sample(ctx, self._key(0), keep_context=True)
+        entropies = np.array(
+            [action_entropy(s.entropies, self.spec.entropy_reduce) for s in samples]
+        )
+        self._branch_where(live, rows, entropies)
+        return samples + self.policy.sample(ctx, self._key(1), rows=rows[len(samples) :])
 
     def run(self) -> None:
         """Plays every live path to its end."""
-        posthoc = self.spec.branches and isinstance(self.selector, PostHocTopK)
         live = self.live
         while live:
             prompts = [self.encode(p.episode) for p in live]
             ctx = self.policy.prefill(prompts)
             self.stats.prefilled_tokens += ctx.prefilled_tokens
             rows = list(range(len(live)))
-            if self.spec.entropy_reduce == "first" or not self._may_branch(live):
-                # The branch rule sees h_t only (the first token's distribution), so every
-                # path's action and every child's action come from one sampling call.
-                self._branch_where(live, rows, self.policy.next_token_entropy(ctx))
-                samples = self.policy.sample(ctx, self._key(0), rows=rows, greedy=self.greedy)
-            else:
-                # "mean" / "max" look at the backbone's sampled action first (an ablation).
-                samples = self.policy.sample(ctx, self._key(0), keep_context=True)
-                entropies = np.array(
-                    [action_entropy(s.entropies, self.spec.entropy_reduce) for s in samples]
-                )
-                self._branch_where(live, rows, entropies)
-                samples += self.policy.sample(ctx, self._key(1), rows=rows[len(samples) :])
+            samples = self._sample(live, ctx, rows)
             tokens = sum(len(s.token_ids) for s in samples)
             self.stats.generated_tokens += tokens
-            self.costs.record(len(samples), tokens)
+            self.planner.costs.record(len(samples), tokens)
             for p, s in zip(live, samples):
-                self.spent[p.task] += self.costs.of_actions(len(s.token_ids), 1)
-            if posthoc:
+                self.planner.charge(p, len(s.token_ids))
+            if self.planner.posthoc:
                 for p in live:
                     if p.depth == 0:
                         p.history.append((self.pool.snapshot(p.sid), copy.deepcopy(p.episode)))
@@ -286,7 +192,8 @@ class _Engine:
             self.stats.env_steps += len(live)
             still = []
             for p, row, sample, action, res in zip(live, rows, samples, actions, results):
-                self.segments[p.segments[-1]].steps.append(
+                self.builder.record(
+                    p,
                     StepRecord(
                         prompt_ids=prompts[row],
                         action_ids=sample.token_ids,
@@ -296,10 +203,10 @@ class _Engine:
                         observation=res.observation,
                         reward=float(res.reward),
                         state_text=p.episode.current or p.episode.room,
-                    )
+                        invalid=action is None or bool(res.info.get("invalid_action", False)),
+                    ),
                 )
                 p.episode.record(action or "", res.observation)
-                p.t += 1
                 if res.done:
                     self._finish(p, res.info)
                 else:
@@ -307,77 +214,23 @@ class _Engine:
             live[:] = still
             self.turn += 1
 
-    def _finish(self, p: _Path, info: dict) -> None:
-        self.leaves.append(
-            Leaf(
-                task=p.task,
-                segments=list(p.segments),
-                won=bool(info.get("won", False)),
-                truncated=bool(info.get("truncated", False)),
-                error=info.get("error"),
-            )
-        )
+    def _finish(self, p: LivePath, info: dict) -> None:
+        self.builder.finish(p, info)
         self.pool.close_sandbox(p.sid)
-        self.lengths.add(p.t)
+        self.planner.lengths.add(p.t)
         if p.history:
             self.finished_backbones.append(p)
         if self.bar is not None:
             self.bar.update(1)
 
-    # ---------------------------------------------------------------- post-hoc ablation
-
-    def posthoc_branches(self) -> list[_Path]:
-        """Splits finished backbones at their top-entropy steps and forks there (biased)."""
-        spec, new_paths = self.spec, []
-        committed = self.spent.copy()
-        for p in self.finished_backbones:
-            steps = self.segments[p.segments[-1]].steps
-            ents = [action_entropy(s.entropies, spec.entropy_reduce) for s in steps]
-            # Cuts on one backbone nest, so the depth limit caps their number too.
-            k = min(spec.branch_budget, spec.max_depth)
-            chosen = PostHocTopK.choose_posthoc(np.array(ents), k)
-            affordable = []
-            for t in chosen:
-                extra = (spec.num_branches - 1) * self._expected_cost(t)
-                if committed[p.task] + extra <= spec.budget:
-                    committed[p.task] += extra
-                    affordable.append(t)
-            leaf = next(lf for lf in self.leaves if lf.segments[-1] == p.segments[-1])
-            new_paths += self._split_backbone(p, leaf, affordable)
+    def release_all(self) -> None:
+        """Frees every snapshot and sandbox this batch still holds (on any exit)."""
+        for p in self.live + self.finished_backbones:
             for handle, _ in p.history:
                 self.pool.release(handle)
             p.history = []
-        return new_paths
-
-    def _split_backbone(self, p: _Path, leaf: Leaf, cut_steps: list[int]) -> list[_Path]:
-        seg_id = p.segments[-1]
-        steps = self.segments[seg_id].steps
-        chain, forks = [seg_id], []
-        self.segments[seg_id].steps = steps[: cut_steps[0]] if cut_steps else steps
-        for j, t in enumerate(cut_steps):
-            node = self._new_node(p.task)
-            self.segments[chain[-1]].child = node
-            end = cut_steps[j + 1] if j + 1 < len(cut_steps) else len(steps)
-            cont = self._new_segment(p.task, node)
-            self.segments[cont].steps = steps[t:end]
-            handle, episode = p.history[t]
-            sids = self.pool.fork(handle, self.spec.num_branches - 1)
-            self.stats.restores += len(sids)
-            for sid in sids:
-                forks.append(
-                    _Path(
-                        sid=sid,
-                        task=p.task,
-                        backbone=p.backbone,
-                        episode=copy.deepcopy(episode),
-                        segments=chain[:] + [self._new_segment(p.task, node)],
-                        depth=1,
-                        t=t,
-                    )
-                )
-            chain.append(cont)
-        leaf.segments = p.segments[:-1] + chain
-        return forks
+        for p in self.live:
+            self.pool.close_sandbox(p.sid)
 
 
 def play_forest(
@@ -412,40 +265,23 @@ def play_forest(
     """
     if spec.branches and (selector is None or lengths is None):
         raise ValueError("A branching TreeSpec needs a branch selector and a LengthModel.")
-    engine = _Engine(
-        pool,
-        policy,
-        encode,
-        tasks,
+    planner = BranchPlanner(
         spec,
         selector,
         lengths or LengthModel(max_steps=1),
         costs or CostModel(spec.budget_unit),
-        rng,
-        greedy,
-        progress_bar,
+        len(tasks),
     )
+    loop = _Lockstep(pool, policy, encode, tasks, spec, planner, rng, greedy, progress_bar)
     try:
-        engine.start()
-        engine.run()
-        if spec.branches and isinstance(selector, PostHocTopK):
-            engine.live = engine.posthoc_branches()
-            engine.run()
-    finally:  # On an exception: free every snapshot and sandbox this call still holds.
-        for p in engine.live + engine.finished_backbones:
-            for handle, _ in p.history:
-                pool.release(handle)
-            p.history = []
-        for p in engine.live:
-            pool.close_sandbox(p.sid)
-    return RolloutForest(
-        task_ids=[t.task_id for t in engine.tasks],
-        segments=engine.segments,
-        leaves=engine.leaves,
-        node_task=engine.node_task,
-        stats=engine.stats,
-        task_cost=engine.spent,
-    )
+        loop.start()
+        loop.run()
+        if planner.posthoc:
+            loop.live = posthoc_branches(loop)
+            loop.run()
+    finally:
+        loop.release_all()
+    return loop.builder.build([t.task_id for t in loop.tasks], loop.stats, planner.spent)
 
 
 def prompt_encoder(tokenizer, history_turns: int, max_prompt_tokens: int):

@@ -1,0 +1,120 @@
+"""The pieces a run is built from: its tasks, sandbox pool, tokenizer, model and policy.
+
+Training (`bpo_jax.train`) and the gradient probe (`bpo_jax.probe`) build them the same way.
+"""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+from bpo_jax.agent import SPECIAL_SYMBOLS
+from bpo_jax.config import DTYPES, ExperimentConfig
+from bpo_jax.demos import corpus
+from bpo_jax.models import config as model_config
+from bpo_jax.models.factory import create_model
+from bpo_jax.policy import Policy
+from bpo_jax.tokenizer import load_tokenizer, train_sentencepiece
+
+
+def select_tasks(cfg: ExperimentConfig):
+    """Training and evaluation tasks, chosen deterministically from the seed."""
+    from envs.base import load_tasks
+
+    e = cfg.env
+    root = e.data_root or None
+    opts = dict(e.task_options)
+    train = load_tasks(e.name, root, e.train_split, tuple(e.task_types) or None, **opts)
+    random.Random(cfg.seed).shuffle(train)
+    if e.num_train_tasks:
+        train = train[: e.num_train_tasks]
+    if e.eval_split == e.train_split:
+        evals = train[: cfg.eval.num_tasks]  # In-distribution: the training games themselves.
+    else:
+        evals = load_tasks(e.name, root, e.eval_split, tuple(e.task_types) or None, **opts)
+        random.Random(cfg.seed + 1).shuffle(evals)
+        evals = evals[: cfg.eval.num_tasks]
+    return train, evals
+
+
+def make_pool(cfg: ExperimentConfig):
+    """The environment's sandbox pool (a context manager that closes every worker)."""
+    from envs.sandbox import SandboxPool
+
+    env_kwargs = {
+        "max_steps": cfg.env.max_steps,
+        "invalid_action_penalty": cfg.env.invalid_action_penalty,
+        **dict(cfg.env.env_options),
+    }
+    return SandboxPool(
+        cfg.env.name, env_kwargs, backend=cfg.env.sandbox_backend, num_workers=cfg.env.num_workers
+    )
+
+
+def build_tokenizer(cfg: ExperimentConfig, workdir: Path, demos):
+    """The configured tokenizer, the checkpoint's, or (tiny policy) one trained on the demos."""
+    if cfg.model.tokenizer:
+        return load_tokenizer(cfg.model.tokenizer)
+    if cfg.model.hf_checkpoint:
+        return load_tokenizer(cfg.model.hf_checkpoint)
+    path = workdir / "tokenizer.model"
+    if path.exists():
+        return load_tokenizer(path)
+    texts = corpus(demos, cfg.agent.history_turns)
+    return train_sentencepiece(
+        texts,
+        workdir / "tokenizer",
+        cfg.model.tokenizer_vocab_size,
+        user_defined_symbols=SPECIAL_SYMBOLS,
+    )
+
+
+def build_model(cfg: ExperimentConfig, tokenizer, mesh):
+    """(model config, NNX model), created sharded on `mesh` (or imported from HF weights)."""
+    m = cfg.model
+    dtype, param_dtype = DTYPES[m.dtype], DTYPES[m.param_dtype]
+    if m.hf_checkpoint:
+        from bpo_jax.models.hf_import import load_hf_checkpoint
+
+        return load_hf_checkpoint(
+            m.hf_checkpoint,
+            mesh=mesh,
+            rules=cfg.mesh.rules,
+            dtype=dtype,
+            param_dtype=param_dtype,
+            max_seq_len=m.max_seq_len,
+        )
+    mcfg = model_config.get_preset(
+        m.preset,
+        vocab_size=tokenizer.vocab_size,
+        max_seq_len=m.max_seq_len,
+        dtype=dtype,
+        param_dtype=param_dtype,
+    )
+    return mcfg, create_model(mcfg, mesh=mesh, rules=cfg.mesh.rules, seed=cfg.seed)
+
+
+def make_policy(cfg: ExperimentConfig, graphdef, params, tokenizer, mcfg, mesh=None) -> Policy:
+    """The acting policy with the experiment's sampling settings and prompt budget."""
+    return Policy(
+        graphdef,
+        params,
+        tokenizer,
+        mcfg,
+        max_new_tokens=cfg.agent.max_action_tokens,
+        cache_len=cfg.agent.max_prompt_tokens + cfg.agent.max_action_tokens,
+        temperature=cfg.sampler.temperature,
+        top_p=cfg.sampler.top_p,
+        length_bucket=cfg.sampler.length_bucket,
+        mesh=mesh,
+    )
+
+
+def make_critic(cfg: ExperimentConfig, graphdef, width: int, pad_id: int):
+    """The algorithm's critic (PPO's value head), or None when it has none."""
+    if not cfg.algorithm.needs_critic:
+        return None
+    from bpo_jax.critic import Critic
+
+    t = cfg.train
+    return Critic(graphdef, width, t.value_lr, t.value_epochs, cfg.seed, pad_id)

@@ -1,0 +1,126 @@
+"""The branch planner: which live paths branch at this turn, under the branch rule and budget.
+
+It combines a branch rule (`bpo_jax.branching`, a function of each path's h_t) with the
+per-backbone branch budget, the depth limit and the task's compute budget. It knows paths only
+by their task, backbone, depth and step count (`LivePath`), never by their outcomes, so the
+number of children a node gets cannot depend on those children's returns (DESIGN.md).
+
+Budget rule: a branch is accepted only if what the task has spent, plus the expected remaining
+cost of its live paths, plus the expected cost of the K - 1 new children, stays within the
+task's budget. Candidates of one turn are served in order of their rule's score.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from bpo_jax.branching import BranchSelector, CostModel, LengthModel, PostHocTopK, action_entropy
+from bpo_jax.forest_builder import LivePath
+
+
+class BranchPlanner:
+    """Branch decisions and compute accounting of one batch.
+
+    Args:
+      spec: the batch's `rollout.TreeSpec`.
+      selector: the branch rule (None: never branch).
+      lengths, costs: running models of path length and tokens per action (kept by the
+        caller across batches, so budgets use what earlier batches measured).
+      num_tasks: tasks in the batch.
+    """
+
+    def __init__(
+        self,
+        spec,
+        selector: BranchSelector | None,
+        lengths: LengthModel,
+        costs: CostModel,
+        num_tasks: int,
+    ):
+        self.spec, self.selector, self.lengths, self.costs = spec, selector, lengths, costs
+        self.spent = np.zeros((num_tasks,), np.float64)
+        self.branches_left: list[int] = []  # Per backbone.
+
+    @property
+    def online(self) -> bool:
+        """Whether branch points are chosen during play (every rule but post-hoc top-k)."""
+        return self.spec.branches and self.selector is not None and self.selector.online
+
+    @property
+    def posthoc(self) -> bool:
+        return self.spec.branches and isinstance(self.selector, PostHocTopK)
+
+    def add_backbone(self, path: LivePath) -> None:
+        if path.backbone != len(self.branches_left):
+            raise ValueError(f"backbone {path.backbone} registered out of order.")
+        self.branches_left.append(self.spec.branch_budget)
+
+    def expected_cost(self, t: int) -> float:
+        """Expected cost of a path's steps from its step t on (t steps taken, step t included)."""
+        return self.costs.of_steps(self.lengths.remaining(t))
+
+    def may_branch(self, live: list[LivePath]) -> bool:
+        return self.online and any(self._eligible(p) for p in live)
+
+    def _eligible(self, p: LivePath) -> bool:
+        return p.depth < self.spec.max_depth and self.branches_left[p.backbone] > 0
+
+    def choose(self, live: list[LivePath], entropies: np.ndarray) -> list[int]:
+        """Indices into `live` of the paths that branch at this turn (online rules only).
+
+        Each chosen path's backbone is charged one branch point; `refund` gives it back if
+        the branch could not be made.
+        """
+        if not self.online:
+            return []
+        self.selector.observe(entropies)
+        scores = self.selector.scores(entropies, np.array([p.t for p in live]))
+        eligible = [i for i, p in enumerate(live) if not np.isnan(scores[i]) and self._eligible(p)]
+        eligible.sort(key=lambda i: -scores[i])
+        # Committed spending per task: what it spent before this turn plus what its live paths
+        # are expected to spend from this turn's action on.
+        committed = self.spent.copy()
+        for p in live:
+            committed[p.task] += self.expected_cost(p.t)
+        chosen = []
+        for i in eligible:
+            p = live[i]
+            extra = (self.spec.num_branches - 1) * self.expected_cost(p.t)
+            if self.branches_left[p.backbone] > 0 and committed[p.task] + extra <= self.spec.budget:
+                committed[p.task] += extra
+                self.branches_left[p.backbone] -= 1
+                chosen.append(i)
+        return chosen
+
+    def refund(self, path: LivePath) -> None:
+        self.branches_left[path.backbone] += 1
+
+    def charge(self, path: LivePath, num_tokens: int) -> None:
+        """Charges one action of `num_tokens` generated tokens to the path's task."""
+        self.spent[path.task] += self.costs.of_actions(num_tokens, 1)
+
+    def posthoc_cuts(self, path: LivePath, step_entropies: list[np.ndarray]) -> list[int]:
+        """Post-hoc ablation (biased): the finished backbone's top-entropy steps that fit."""
+        spec = self.spec
+        ents = [action_entropy(e, spec.entropy_reduce) for e in step_entropies]
+        # Cuts on one backbone nest, so the depth limit caps their number too.
+        k = min(spec.branch_budget, spec.max_depth)
+        affordable = []
+        for t in PostHocTopK.choose_posthoc(np.array(ents), k):
+            extra = (spec.num_branches - 1) * self.expected_cost(t)
+            if self._committed_posthoc[path.task] + extra <= spec.budget:
+                self._committed_posthoc[path.task] += extra
+                affordable.append(t)
+        return affordable
+
+    def start_posthoc(self) -> None:
+        """Begins the post-hoc pass: budgets count from what the backbones spent."""
+        self._committed_posthoc = self.spent.copy()
+
+    def budget_used(self) -> float:
+        """Mean spent / budget over the batch's tasks (nan for an unlimited budget)."""
+        if not math.isfinite(self.spec.budget) or self.spec.budget <= 0:
+            return float("nan")
+        return float(np.mean(self.spent) / self.spec.budget)

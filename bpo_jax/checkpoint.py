@@ -25,6 +25,8 @@ from __future__ import annotations
 
 import json
 import logging
+import re
+import shutil
 from pathlib import Path
 from types import TracebackType
 from typing import Any
@@ -36,6 +38,54 @@ from jax.sharding import NamedSharding, SingleDeviceSharding
 PyTree = Any
 
 _log = logging.getLogger(__name__)
+
+# TensorStore / OCDBT status codes and phrases of a file that is truncated or garbled (as
+# opposed to a tree that does not match the abstract state).
+_DAMAGE = re.compile(r"DATA_LOSS|OUT_OF_RANGE|Error decoding|Error reading|not valid for value")
+
+
+class CheckpointDamagedError(ValueError):
+    """A checkpoint step whose files cannot be read (truncated, garbled); names step and file."""
+
+    def __init__(self, step: int, directory: Path, file: str, cause: str):
+        self.step, self.file = step, file
+        super().__init__(f"checkpoint step {step} in {directory} is damaged ({file}: {cause})")
+
+
+def _causes(e: BaseException):
+    while e is not None:
+        yield e
+        e = e.__cause__ or e.__context__
+
+
+def _first_line(text: str, limit: int = 300) -> str:
+    line = next((ln.strip() for ln in str(text).splitlines() if ln.strip()), "")
+    return line if len(line) <= limit else line[: limit - 3] + "..."
+
+
+def _damage(step_dir: Path, error: BaseException) -> tuple[str, str] | None:
+    """(file, one-line cause) when `error` comes from damaged files, else None."""
+    chain = list(_causes(error))
+    decode = next((c for c in chain if isinstance(c, json.JSONDecodeError)), None)
+    store = next((c for c in chain if _DAMAGE.search(str(c))), None)
+    if decode is None and store is None:
+        return None
+    if decode is not None:
+        # Orbax does not say which JSON file it was reading: find the one that does not parse.
+        for path in sorted(step_dir.rglob("*")):
+            if path.is_file() and not path.name.endswith(".ocdbt") and "/d/" not in str(path):
+                try:
+                    json.loads(path.read_bytes() or b"null")
+                except (ValueError, UnicodeDecodeError):
+                    return str(path.relative_to(step_dir)), _first_line(decode)
+        return "a metadata file", _first_line(decode)
+    message = str(store)
+    m = re.search(r'Error reading "([^"]+)" in OCDBT database', message) or re.search(
+        r'local file "([^"]+)"', message
+    )
+    what = f"array {m.group(1)!r}" if m and "Error reading" in m.group(0) else "state files"
+    cause = re.search(r"(OUT_OF_RANGE|DATA_LOSS)[^\n]*", message)
+    return what, _first_line(cause.group(0) if cause else message)
 
 
 def _is_typed_key(x: Any) -> bool:
@@ -281,7 +331,12 @@ class Checkpointer:
         args = ocp.args.Composite(state=state_args, meta=ocp.args.JsonRestore())
         try:
             restored = self._manager.restore(step, args=args)
-        except ValueError as e:
+        except Exception as e:  # Orbax raises bare Exceptions for TensorStore read errors.
+            damage = _damage(self.directory / str(step), e)
+            if damage is not None:
+                raise CheckpointDamagedError(step, self.directory, *damage) from None
+            if not isinstance(e, ValueError):
+                raise
             raise ValueError(
                 f"checkpoint step {step} in {self.directory} does not match abstract_state: {e}"
             ) from e
@@ -289,6 +344,40 @@ class Checkpointer:
         if abstract_state is not None:
             state = from_checkpointable(state, abstract_state)
         return step, state, dict(restored.meta or {})
+
+    def restore_intact(self, abstract_state: PyTree) -> tuple[int, PyTree, dict[str, Any]]:
+        """Restores the newest step whose files can be read, setting damaged newer ones aside.
+
+        A damaged step (`CheckpointDamagedError`) is reported in one line, naming the step and
+        the file, and moved to `<directory>_damaged/<step>` (kept for inspection, and out of
+        the way of the run's next saves); the step before it is tried next. A step that does
+        not match `abstract_state` is not damage: that error is raised at once.
+
+        Raises:
+          FileNotFoundError: no checkpoint at all.
+          CheckpointDamagedError: every step is damaged (the newest one's error).
+        """
+        self.wait()
+        steps = self.all_steps()
+        if not steps:
+            raise FileNotFoundError(f"no checkpoints in {self.directory}.")
+        first_error = None
+        for step in reversed(steps):
+            try:
+                return self.restore(step, abstract_state)
+            except CheckpointDamagedError as e:
+                _log.warning("%s; trying the previous step.", e)
+                first_error = first_error or e
+                self._set_aside(step)
+        raise first_error
+
+    def _set_aside(self, step: int) -> None:
+        target = self.directory.parent / f"{self.directory.name}_damaged" / str(step)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        if target.exists():
+            shutil.rmtree(target)
+        shutil.move(str(self.directory / str(step)), str(target))
+        self._manager.reload()
 
     def wait(self) -> None:
         """Blocks until every asynchronous save has finished writing."""

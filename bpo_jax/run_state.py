@@ -76,8 +76,16 @@ class RunState:
         return ckpt.save(self.step, self.tree(), meta, force=force)
 
     def restore(self, ckpt: Checkpointer, step: int | None = None) -> RunState:
-        """This state (a template of the right structure and shardings) filled from `ckpt`."""
-        step, restored, meta = ckpt.restore(step, abstract_state=abstract_like(self.tree()))
+        """This state (a template of the right structure and shardings) filled from `ckpt`.
+
+        Without `step`, the newest intact step: a damaged newer one is reported in one line and
+        set aside (`Checkpointer.restore_intact`).
+        """
+        abstract = abstract_like(self.tree())
+        if step is None:
+            step, restored, meta = ckpt.restore_intact(abstract)
+        else:
+            step, restored, meta = ckpt.restore(step, abstract_state=abstract)
         if self.critic is not None:
             self.critic.state = restored["critic"]
         rollout = self.rollout.loaded(meta.pop("rollout", {}))

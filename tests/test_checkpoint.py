@@ -1,5 +1,7 @@
 """Tests for bpo_jax.checkpoint: full training-state round trips, pruning, shardings, errors."""
 
+import shutil
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -229,3 +231,71 @@ def test_constructor_validation(tmp_path):
         ckpt_lib.Checkpointer(tmp_path, max_to_keep=0)
     with pytest.raises(ValueError, match="save_interval_steps must be >= 1"):
         ckpt_lib.Checkpointer(tmp_path, save_interval_steps=0)
+
+
+def _two_steps(directory):
+    tree = {"a": jnp.arange(1000.0), "b": {"c": jnp.ones((50, 50))}, "rng": jax.random.key(0)}
+    with ckpt_lib.Checkpointer(directory, max_to_keep=3) as c:
+        c.save(1, tree, {"step": 1})
+        c.save(2, jax.tree.map(lambda x: x + 1 if x.dtype == jnp.float32 else x, tree), {"step": 2})
+    return tree
+
+
+def _damageable_files(step_dir):
+    """Every file of a step whose loss must be noticed: array data and the metadata files."""
+    files = []
+    for path in sorted(step_dir.rglob("*")):
+        rel = str(path.relative_to(step_dir))
+        # _CHECKPOINT_METADATA, _sharding and the per-process OCDBT manifest are not needed to
+        # read the state back (Orbax restores correctly without them): not damage.
+        if path.is_file() and path.name not in ("_CHECKPOINT_METADATA", "_sharding"):
+            if rel != "state/ocdbt.process_0/manifest.ocdbt":
+                files.append(rel)
+    return files
+
+
+def test_a_damaged_latest_step_falls_back_to_the_previous_one(tmp_path, caplog):
+    base = tmp_path / "pristine"
+    tree = _two_steps(base)
+    files = _damageable_files(base / "2")
+    data = [f for f in files if "/d/" in f]
+    assert data and {"state/_METADATA", "meta/metadata"} <= set(files)
+    data_damaged = False
+    for rel in files:
+        work = tmp_path / rel.replace("/", "_")
+        shutil.copytree(base, work)
+        path = work / "2" / rel
+        with open(path, "r+b") as f:
+            f.truncate(path.stat().st_size // 2)
+        with ckpt_lib.Checkpointer(work) as c:
+            try:
+                c.restore(2, ckpt_lib.abstract_like(tree))
+            except ckpt_lib.CheckpointDamagedError as e:
+                message = str(e)
+            else:
+                continue  # Half of this file still held everything the restore needs.
+            assert "\n" not in message and "checkpoint step 2" in message
+            assert "does not match" not in message
+            if rel.endswith("metadata") or rel.endswith("_METADATA") or "array_metadatas" in rel:
+                assert rel in message
+            caplog.clear()
+            step, restored, meta = c.restore_intact(ckpt_lib.abstract_like(tree))
+            assert step == 1 and meta == {"step": 1}
+            np.testing.assert_array_equal(restored["a"], tree["a"])
+            assert any("is damaged" in r.getMessage() for r in caplog.records)
+            assert c.all_steps() == [1]
+            # Set aside, not deleted; and the run can save step 2 again.
+            assert (tmp_path / (work.name + "_damaged") / "2" / rel).exists()
+            assert c.save(2, tree, {"step": 2})
+        if "/d/" in rel:
+            data_damaged = True
+    assert data_damaged
+
+
+def test_every_step_damaged_raises_the_newest_error(tmp_path):
+    tree = _two_steps(tmp_path / "c")
+    for step in ("1", "2"):
+        (tmp_path / "c" / step / "state" / "_METADATA").write_text("{")
+    with ckpt_lib.Checkpointer(tmp_path / "c") as c:
+        with pytest.raises(ckpt_lib.CheckpointDamagedError, match="step 2 .*state/_METADATA"):
+            c.restore_intact(ckpt_lib.abstract_like(tree))

@@ -18,22 +18,32 @@ from bpo_jax.tokenizer import load_tokenizer, train_sentencepiece
 
 
 def select_tasks(cfg: ExperimentConfig):
-    """Training and evaluation tasks, chosen deterministically from the seed."""
+    """Training tasks and evaluation tasks per split, chosen deterministically from the seed.
+
+    Returns:
+      (train, {split: tasks}). An evaluation split equal to the training split evaluates on the
+      first `eval.num_tasks` training tasks themselves (an in-distribution check); another
+      split gives its first `eval.num_tasks` games after a seeded shuffle (0 = all of them).
+    """
     from envs.base import load_tasks
 
     e = cfg.env
     root = e.data_root or None
     opts = dict(e.task_options)
-    train = load_tasks(e.name, root, e.train_split, tuple(e.task_types) or None, **opts)
+    types = tuple(e.task_types) or None
+    train = load_tasks(e.name, root, e.train_split, types, **opts)
     random.Random(cfg.seed).shuffle(train)
     if e.num_train_tasks:
         train = train[: e.num_train_tasks]
-    if e.eval_split == e.train_split:
-        evals = train[: cfg.eval.num_tasks]  # In-distribution: the training games themselves.
-    else:
-        evals = load_tasks(e.name, root, e.eval_split, tuple(e.task_types) or None, **opts)
-        random.Random(cfg.seed + 1).shuffle(evals)
-        evals = evals[: cfg.eval.num_tasks]
+    n = cfg.eval.num_tasks or None
+    evals = {}
+    for split in e.eval_splits:
+        if split == e.train_split:
+            evals[split] = train[:n]
+        else:
+            tasks = load_tasks(e.name, root, split, types, **opts)
+            random.Random(cfg.seed + 1).shuffle(tasks)
+            evals[split] = tasks[:n]
     return train, evals
 
 

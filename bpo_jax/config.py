@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Callable, Iterable, Mapping
+from pathlib import Path
 from typing import Any, ClassVar
 
 import jax.numpy as jnp
@@ -145,7 +146,7 @@ class EnvSpec(_Spec):
     name: str  # A registered environment, a gymnasium id, or "module:Class".
     data_root: str
     train_split: str
-    eval_split: str
+    eval_split: str  # One split, or several comma-separated (`eval_splits`).
     task_types: tuple[str, ...]
     num_train_tasks: int = at_least(0)
     max_steps: int = at_least(1)
@@ -154,6 +155,15 @@ class EnvSpec(_Spec):
     sandbox_backend: str = one_of(_sandbox_backends)
     task_options: Mapping[str, Any]  # Extra arguments of the environment's task loader.
     env_options: Mapping[str, Any]  # Extra arguments of the environment's constructor.
+
+    def _check_fields(self):
+        splits = self.eval_splits
+        if not splits or len(set(splits)) != len(splits):
+            self._fail("eval_split", self.eval_split, "must name distinct splits, comma-separated")
+
+    @property
+    def eval_splits(self) -> tuple[str, ...]:
+        return tuple(s.strip() for s in self.eval_split.split(",") if s.strip())
 
 
 @dataclasses.dataclass(frozen=True)
@@ -229,8 +239,9 @@ class RolloutSpec(_Spec):
 @dataclasses.dataclass(frozen=True)
 class EvalSpec(_Spec):
     section = "eval"
-    num_tasks: int = at_least(0)
+    num_tasks: int = at_least(0)  # Per split; 0 = every game of a held-out split.
     every: int = at_least(0)
+    sampled: bool  # Also play one sampled (temperature) episode per task.
 
 
 @dataclasses.dataclass(frozen=True)
@@ -268,10 +279,16 @@ class ExperimentConfig:
     eval: EvalSpec
     checkpoint: CheckpointSpec
     log_every: int
+    init_from: str = ""  # A finished run's workdir: RL starts from its checkpoint's policy.
 
     def __post_init__(self):
         if self.log_every < 1:
             raise ValueError(f"config.log_every must be >= 1, got {self.log_every!r}.")
+        if self.init_from and not (Path(self.init_from) / "checkpoints").is_dir():
+            raise ValueError(
+                f"config.init_from must be a run's workdir with a checkpoints/ folder (e.g. a "
+                f"behaviour-cloning run with train.iterations=0), got {self.init_from!r}."
+            )
         a, m = self.agent, self.model
         if a.max_prompt_tokens + a.max_action_tokens > m.max_seq_len:
             raise ValueError(
@@ -309,8 +326,13 @@ def validate(config: Mapping[str, Any]) -> ExperimentConfig:
       ValueError: naming the first invalid field, its value and what was expected.
     """
     raw = config.to_dict() if hasattr(config, "to_dict") else dict(config)
-    for name in ("seed", "log_every", *SECTIONS):
+    for name in ("seed", "log_every", "init_from", *SECTIONS):
         if name not in raw:
             raise ValueError(f"config.{name} is missing.")
     parsed = {name: _section(cls, raw[name], name) for name, cls in SECTIONS.items()}
-    return ExperimentConfig(seed=int(raw["seed"]), log_every=int(raw["log_every"]), **parsed)
+    return ExperimentConfig(
+        seed=int(raw["seed"]),
+        log_every=int(raw["log_every"]),
+        init_from=str(raw["init_from"]),
+        **parsed,
+    )

@@ -1,8 +1,13 @@
-"""Greedy evaluation episodes, and the run's record of them (`evals.json`).
+"""Evaluation episodes, and the run's record of them (`evals.json`).
 
 Each evaluation has a name ("initial", "before_rl", "iter_N", "after_rl") and a seed offset
 (`EVAL_SEEDS`) folded into the run's key, so a resumed run evaluates with the same keys and
-never repeats an evaluation it has recorded.
+never repeats an evaluation it has recorded. It plays one greedy episode per task of every
+evaluation split (`env.eval_split`, comma-separated), and with `eval.sampled` one sampled
+episode per task too. Records, in `evals.json` and the metrics:
+  NAME/SPLIT           greedy episodes of one split, with per-episode wins (`eval/episodes`);
+  NAME/SPLIT/sampled   sampled episodes of one split;
+  NAME                 greedy episodes of every split pooled (the summary's figure).
 """
 
 from __future__ import annotations
@@ -24,8 +29,8 @@ log = logging.getLogger(__name__)
 EVAL_SEEDS = {"initial": 10_000, "before_rl": 20_000, "iter": 30_000, "after_rl": 40_000}
 
 
-def evaluate(pool, policy, tasks, cfg, rng, label: str) -> dict:
-    """Greedy episodes, one per task; success rate and friends."""
+def evaluate(pool, policy, tasks, cfg, rng, label: str, greedy: bool = True) -> dict:
+    """One episode per task (greedy, or sampled at the policy's temperature); success etc."""
     if not tasks:
         return {}
     t0 = time.time()
@@ -36,7 +41,7 @@ def evaluate(pool, policy, tasks, cfg, rng, label: str) -> dict:
         tasks,
         1,
         rng=rng,
-        greedy=True,
+        greedy=greedy,
         history_turns=cfg.agent.history_turns,
         max_prompt_tokens=cfg.agent.max_prompt_tokens,
         progress_bar=bar,
@@ -45,6 +50,8 @@ def evaluate(pool, policy, tasks, cfg, rng, label: str) -> dict:
     invalid = [s.invalid for t in trajs for s in t.steps]
     out = {
         "eval/success": success_rate(trajs),
+        "eval/episodes": [int(t.won) for t in trajs],
+        "eval/task_ids": [t.task_id for t in trajs],
         "eval/return": float(np.mean([t.total_reward for t in trajs])),
         "eval/episode_len": float(np.mean([len(t.steps) for t in trajs])),
         "eval/invalid_frac": float(np.mean(invalid)) if invalid else 0.0,
@@ -58,6 +65,24 @@ def evaluate(pool, policy, tasks, cfg, rng, label: str) -> dict:
         len(trajs),
         out["eval/seconds"],
     )
+    return out
+
+
+def pooled(results: list[dict]) -> dict:
+    """Several splits' results as one (episode-weighted means; lists concatenated)."""
+    results = [r for r in results if r]
+    if not results:
+        return {}
+    n = [r["eval/num_episodes"] for r in results]
+    out = {}
+    for key in results[0]:
+        values = [r[key] for r in results]
+        if isinstance(values[0], list):
+            out[key] = [v for vs in values for v in vs]
+        elif key in ("eval/num_episodes", "eval/seconds"):
+            out[key] = sum(values)
+        else:
+            out[key] = float(np.average(values, weights=n))
     return out
 
 
@@ -77,7 +102,9 @@ class EvalLog:
         tmp = self.path.with_suffix(".tmp")
         tmp.write_text(json.dumps(self.results, indent=2))
         tmp.replace(self.path)
-        self.writer.write(step, {k.replace("eval/", f"eval_{name}/"): v for k, v in result.items()})
+        scalars = {k: v for k, v in result.items() if not isinstance(v, list)}
+        prefix = "eval_" + name.replace("/", "_")
+        self.writer.write(step, {k.replace("eval/", f"{prefix}/"): v for k, v in scalars.items()})
 
     def success(self, name):
         return self.results.get(name, {}).get("eval/success")

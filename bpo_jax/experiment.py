@@ -178,6 +178,7 @@ def base_config(
     c.eval = ml_collections.ConfigDict()
     c.eval.num_tasks = eval_tasks  # Evaluation tasks (the first of the shuffled eval split).
     c.eval.every = 0  # Also evaluate every N iterations (0 = only before and after).
+    c.eval.sampled = False  # Also one sampled episode per task (at sampler.temperature).
 
     # Checkpoints (Orbax) in <workdir>/checkpoints; a restarted run resumes from the latest.
     c.checkpoint = ml_collections.ConfigDict()
@@ -185,6 +186,9 @@ def base_config(
     c.checkpoint.max_to_keep = 2
 
     c.log_every = 1  # Write behaviour-cloning metrics every N steps.
+    # A finished run's workdir: RL starts from its latest checkpoint's policy and tokenizer
+    # instead of behaviour cloning, so every algorithm of a seed starts from the same policy.
+    c.init_from = ""
     return c
 
 

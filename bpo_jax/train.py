@@ -20,6 +20,7 @@ import contextlib
 import dataclasses
 import json
 import logging
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -39,7 +40,7 @@ from bpo_jax.builders import (
 from bpo_jax.checkpoint import Checkpointer
 from bpo_jax.config import ExperimentConfig, validate
 from bpo_jax.demos import bc_examples, load_or_play
-from bpo_jax.evaluation import EVAL_SEEDS, EvalLog, evaluate
+from bpo_jax.evaluation import EVAL_SEEDS, EvalLog, evaluate, pooled
 from bpo_jax.metrics import MetricWriter, progress
 from bpo_jax.models import sharding
 from bpo_jax.rl import rl_iteration
@@ -56,7 +57,7 @@ class Run:
     workdir: Path
     pool: Any
     train_tasks: list
-    eval_tasks: list
+    eval_tasks: dict  # split -> tasks
     demos: list
     tokenizer: Any
     graphdef: Any
@@ -67,13 +68,24 @@ class Run:
     evals: EvalLog
 
     def evaluate(self, name: str, label: str, seed: int, state: RunState) -> None:
-        """Runs and records evaluation `name` unless this run has recorded it already."""
+        """Runs and records evaluation `name` (every split; see `bpo_jax.evaluation`) unless
+        this run has recorded it already."""
         if name in self.evals:
             return
         self.policy.params = state.train.params
         rng = jax.random.fold_in(state.rng, seed)
-        result = evaluate(self.pool, self.policy, self.eval_tasks, self.cfg, rng, label)
-        self.evals.record(name, result, state.step)
+        greedy = []
+        for i, (split, tasks) in enumerate(self.eval_tasks.items()):
+            result = evaluate(self.pool, self.policy, tasks, self.cfg, rng, f"{label}, {split}")
+            self.evals.record(f"{name}/{split}", result, state.step)
+            greedy.append(result)
+            if self.cfg.eval.sampled:
+                key = jax.random.fold_in(rng, 1 + i)
+                result = evaluate(
+                    self.pool, self.policy, tasks, self.cfg, key, f"{label}, {split}", greedy=False
+                )
+                self.evals.record(f"{name}/{split}/sampled", result, state.step)
+        self.evals.record(name, pooled(greedy), state.step)
 
 
 @contextlib.contextmanager
@@ -85,16 +97,21 @@ def open_run(cfg: ExperimentConfig, workdir: Path, raw_config=None):
     mesh = sharding.make_mesh(cfg.mesh.axes)
     train_tasks, eval_tasks = select_tasks(cfg)
     log.info(
-        "%d training tasks, %d evaluation tasks (%s split)",
+        "%d training tasks; evaluation tasks: %s",
         len(train_tasks),
-        len(eval_tasks),
-        cfg.env.eval_split,
+        ", ".join(f"{len(t)} of {s}" for s, t in eval_tasks.items()),
     )
     writer = MetricWriter(workdir, enabled=jax.process_index() == 0)
     ckpt = Checkpointer(workdir / "checkpoints", max_to_keep=cfg.checkpoint.max_to_keep)
     try:
         with make_pool(cfg) as pool, jax.set_mesh(mesh), sharding.axis_rules(cfg.mesh.rules):
-            needs_demos = cfg.bc.steps > 0 or not (cfg.model.tokenizer or cfg.model.hf_checkpoint)
+            if cfg.init_from:
+                _adopt_tokenizer(Path(cfg.init_from), workdir)
+            has_tokenizer = (
+                bool(cfg.model.tokenizer or cfg.model.hf_checkpoint)
+                or (workdir / "tokenizer.model").exists()
+            )
+            needs_demos = (cfg.bc.steps > 0 and not cfg.init_from) or not has_tokenizer
             demos = (
                 load_or_play(workdir / "expert_demos.json", pool, train_tasks)
                 if needs_demos
@@ -126,12 +143,54 @@ def open_run(cfg: ExperimentConfig, workdir: Path, raw_config=None):
         ckpt.close()
 
 
+def _adopt_tokenizer(source: Path, workdir: Path) -> None:
+    """Copies the source run's trained tokenizer (`init_from`): its policy's ids mean its tokens."""
+    for name in ("tokenizer.model", "tokenizer.vocab"):
+        if (source / name).exists() and not (workdir / name).exists():
+            shutil.copyfile(source / name, workdir / name)
+
+
+def _init_from(run: Run, state: RunState, mcfg) -> RunState:
+    """The state RL starts from when `init_from` names another run: that run's policy.
+
+    The source's own config says what its checkpoint holds (a critic, a KL reference), so its
+    whole state is restored into a template of its layout, and only the policy is kept: the
+    optimizer, the critic, the reference and the PRNG key are this run's, fresh.
+    """
+    source = Path(run.cfg.init_from)
+    src_cfg = validate(json.loads((source / "config.json").read_text()))
+    critic = make_critic(src_cfg, run.graphdef, mcfg.hidden_size, run.tokenizer.pad_id)
+    optimizer = run.updater.optimizer
+    with Checkpointer(source / "checkpoints") as src:
+        loaded = initial_state(src_cfg, state.train.params, optimizer, critic).restore(src)
+    params = loaded.train.params
+    ref = jax.tree.map(jax.numpy.copy, params) if state.ref_params is not None else None
+    print(
+        f"Initialised from {source} (update step {loaded.step}, its phase {loaded.phase}, "
+        f"iteration {loaded.iteration}).",
+        flush=True,
+    )
+    state = state.replace(
+        train=learner.TrainState(params, optimizer.init(params), loaded.train.step),
+        ref_params=ref,
+        meta={
+            **state.meta,
+            "phase": "rl",
+            "bc_step": loaded.meta.get("bc_step", 0),
+            "init_from": str(source.absolute()),
+            "init_step": loaded.step,
+        },
+    )
+    state.save(run.ckpt)
+    return state
+
+
 def setup(run: Run, mcfg, params) -> RunState:
-    """The run's state: fresh, or restored from the latest checkpoint."""
+    """The run's state: restored from the latest checkpoint, else from `init_from`, else fresh."""
     critic = make_critic(run.cfg, run.graphdef, mcfg.hidden_size, run.tokenizer.pad_id)
     state = initial_state(run.cfg, params, run.updater.optimizer, critic)
     if run.ckpt.latest_step() is None:
-        return state
+        return _init_from(run, state, mcfg) if run.cfg.init_from else state
     state = state.restore(run.ckpt)
     print(
         f"Resumed from checkpoint at update step {state.step} (phase {state.phase}, "
@@ -260,7 +319,8 @@ def final_evaluation(run: Run, state: RunState) -> dict:
     run.evaluate("after_rl", "after RL", EVAL_SEEDS["after_rl"], state)
     return {
         "eval_split": run.cfg.env.eval_split,
-        "eval_tasks": len(run.eval_tasks),
+        "eval_tasks": sum(len(t) for t in run.eval_tasks.values()),
+        "eval_tasks_per_split": {s: len(t) for s, t in run.eval_tasks.items()},
         "success_initial": run.evals.success("initial"),
         "success_before_rl": run.evals.success("before_rl"),
         "success_after_rl": run.evals.success("after_rl"),

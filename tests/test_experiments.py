@@ -167,3 +167,41 @@ def test_tree_and_critic_algorithms_run(tmp_path, algo):
         assert all(r["train/leaves"] > cfg.rollout.root_group for r in iters)
     else:
         assert all(np.isfinite(r["train/value_loss"]) for r in iters)
+
+
+def test_init_from_and_held_out_splits(tmp_path):
+    """RL starts from another run's policy (no BC of its own); every split is reported."""
+    from bpo_jax.train import train_and_evaluate
+
+    bc_dir, rl_dir = tmp_path / "bc", tmp_path / "rl"
+    bc = tiny_cpu_config(**{"train.iterations": 0, "eval.num_tasks": 1})
+    train_and_evaluate(bc, bc_dir)
+    bc_evals = json.loads((bc_dir / "evals.json").read_text())
+    cfg = tiny_cpu_config(
+        **{
+            "train.iterations": 1,
+            "eval.num_tasks": 1,
+            "eval.sampled": True,
+            "env.eval_split": "train,valid_seen",
+        }
+    )
+    cfg.init_from = str(bc_dir)
+    summary = train_and_evaluate(cfg, rl_dir)
+    evals = json.loads((rl_dir / "evals.json").read_text())
+    assert "initial" not in evals  # No BC phase of its own.
+    assert set(evals) >= {"before_rl/train", "before_rl/valid_seen", "after_rl/valid_seen/sampled"}
+    assert summary["eval_tasks_per_split"] == {"train": 1, "valid_seen": 1}
+    # The same policy and greedy decoding: the BC run's own evaluation on the same game.
+    assert evals["before_rl/train"]["eval/episodes"] == bc_evals["after_rl/train"]["eval/episodes"]
+    assert evals["before_rl/train"]["eval/task_ids"] == bc_evals["after_rl/train"]["eval/task_ids"]
+    assert evals["before_rl"]["eval/num_episodes"] == 2
+    assert (rl_dir / "tokenizer.model").read_bytes() == (bc_dir / "tokenizer.model").read_bytes()
+    assert not (rl_dir / "expert_demos.json").exists()
+    assert summary["iterations"] == 1
+
+
+def test_init_from_must_be_a_run(tmp_path):
+    cfg = tiny_cpu_config()
+    cfg.init_from = str(tmp_path / "nowhere")
+    with pytest.raises(ValueError, match="config.init_from must be a run's workdir"):
+        validate(cfg)

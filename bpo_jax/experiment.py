@@ -86,7 +86,7 @@ def base_config(
     # Device mesh (data, fsdp, tensor); -1 takes the remaining devices. Logical-axis rules map the
     # model's named axes to mesh axes (see bpo_jax/models/sharding.py). With data > 1 the sampler
     # decodes each data-parallel replica's rows as its own program, with no communication in the
-    # decode loop (see bpo_jax/sampler.py); a batch that data does not divide is one program.
+    # decode loop (see bpo_jax/sampler/); a batch that data does not divide is one program.
     c.mesh = ml_collections.ConfigDict()
     c.mesh.data = 1
     c.mesh.fsdp = -1

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from bpo_jax import estimators as est
+from bpo_jax.estimators import kernels as est_kernels
 
 _REF_PATH = Path(__file__).resolve().parents[1] / "bench" / "reference_estimator.py"
 _spec = importlib.util.spec_from_file_location("reference_estimator", _REF_PATH)
@@ -237,9 +238,9 @@ def test_jit_compiles_once_for_fixed_shapes():
     expected = ref.expand(expected_a * np.array(NESTED_WEIGHTS), np.asarray(step_segment))
     np.testing.assert_allclose(per_step, expected, **TOL)
     # The library's own kernel cache does not grow with new values either.
-    before = est._tree_advantages_kernel._cache_size()
+    before = est_kernels._tree_advantages_kernel._cache_size()
     est.tree_advantages(*_args(dict(NESTED, seg_reward=np.ones(7))))
-    assert est._tree_advantages_kernel._cache_size() == before
+    assert est_kernels._tree_advantages_kernel._cache_size() == before
 
 
 def test_expand_to_steps_and_tokens():

@@ -26,8 +26,8 @@ Conventions, fixed here for every estimator:
   a silent 0 is exactly the "early actions get no gradient" trap of DESIGN.md).
 
 The modules, one role each:
-- `kernels`: `tree_advantages`, `segment_weights`, and `expand_to_steps` / `expand_to_tokens`
-  (the per-segment kernels).
+- `kernels`: `tree_advantages`, `segment_weights`, `trajectory_weights`, `path_lengths`, and
+  `expand_to_steps` / `expand_to_tokens` (the per-segment kernels).
 - `structure`: the traced building blocks (index arrays, bottom-up and top-down level sweeps).
 - `registry`: the `Forest` pytree, the estimator registry and `step_advantages`.
 - `step_level`: the TreeRL and GiGPO estimators.
@@ -40,7 +40,9 @@ from bpo_jax.estimators.kernels import (
     NORMALIZE,
     expand_to_steps,
     expand_to_tokens,
+    path_lengths,
     segment_weights,
+    trajectory_weights,
     tree_advantages,
 )
 from bpo_jax.estimators.registry import (
@@ -65,9 +67,11 @@ __all__ = [
     "expand_to_tokens",
     "get_estimator",
     "gigpo",
+    "path_lengths",
     "register_estimator",
     "segment_weights",
     "step_advantages",
+    "trajectory_weights",
     "tree_advantages",
     "treerl",
     "validate_forest",

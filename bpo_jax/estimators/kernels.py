@@ -110,6 +110,67 @@ def segment_weights(seg_parent, seg_child, num_nodes: int, *, validate: bool = T
     return _segment_weights_kernel(parent, child, num_nodes)
 
 
+@functools.partial(jax.jit, static_argnames=("num_nodes",))
+def _trajectory_kernel(seg_parent_s, seg_child_s, seg_len_s, num_nodes):
+    """(trajectory weights float32[S], path lengths int32[S]); see `trajectory_weights`."""
+    st = structure(seg_parent_s, seg_child_s, num_nodes)
+    len_s = jnp.where(st.valid_s, seg_len_s, 0.0)
+    # Summed from the root down, the step counts give each node's path-prefix length.
+    down = top_down(st, len_s)
+    path_len_s = jnp.where(st.valid_s, down.prefix_n[st.parent_s] + len_s, 0.0)
+    mass_s = down.weight_n[st.parent_s] * st.inv_k_n[st.parent_s]
+    leaf_s = st.valid_s & ~st.inner_s
+    per_leaf_s = jnp.where(leaf_s, mass_s / jnp.maximum(path_len_s, 1.0), 0.0)
+    # Summed from the leaves up, w(l) / L(l) gives every node the sum over the leaves below it.
+    _, below_n = bottom_up(st, jnp.zeros_like(len_s), per_leaf_s)
+    weight_s = jnp.where(st.inner_s, below_n[st.child_s], per_leaf_s)
+    return jnp.where(st.valid_s, weight_s, 0.0), path_len_s.astype(jnp.int32)
+
+
+def trajectory_weights(seg_parent, seg_child, seg_len, num_nodes: int, *, validate: bool = True):
+    """Loss weight per segment under which a tree estimates the per-trajectory objective.
+
+    `t(s) = sum over the leaf segments l at or below s of w(l) / L(l)`, with w(l) the path mass
+    of l (`segment_weights`) and L(l) the number of steps on the root-to-leaf path ending with
+    l (`path_lengths`; a path of 0 steps counts as 1). Every step of s gets t(s): summed over
+    a task's tree, each root-to-leaf path then counts with its probability, averaged over its
+    length. On an independent group of N trajectories this is (1/N) / (trajectory length), the
+    per-trajectory mean that GRPO and RLOO estimate.
+
+    Args:
+      seg_parent, seg_child: the forest (see the package docstring).
+      seg_len: int[S], the number of steps in each segment (anything for padding).
+      num_nodes: static number of node ids.
+      validate: check the concrete forest and step counts first (`validate_forest`).
+
+    Returns:
+      float32[S], 0 for padding segments.
+    """
+    parent, child, seg_len_s, num_nodes = prepare(
+        seg_parent, seg_child, seg_len, num_nodes, "seg_len"
+    )
+    if validate and is_concrete(seg_parent, seg_child, seg_len):
+        validate_forest(seg_parent, seg_child, num_nodes, seg_len=seg_len)
+    return _trajectory_kernel(parent, child, seg_len_s, num_nodes)[0]
+
+
+def path_lengths(seg_parent, seg_child, seg_len, num_nodes: int, *, validate: bool = True):
+    """Steps on the path from each segment's task root to the segment's end.
+
+    For a leaf segment this is the length of its root-to-leaf episode. Arguments as
+    `trajectory_weights`; exact while a path has fewer than 2^24 steps.
+
+    Returns:
+      int32[S], 0 for padding segments.
+    """
+    parent, child, seg_len_s, num_nodes = prepare(
+        seg_parent, seg_child, seg_len, num_nodes, "seg_len"
+    )
+    if validate and is_concrete(seg_parent, seg_child, seg_len):
+        validate_forest(seg_parent, seg_child, num_nodes, seg_len=seg_len)
+    return _trajectory_kernel(parent, child, seg_len_s, num_nodes)[1]
+
+
 @jax.jit
 def _gather_or_zero(values, index):
     index = jnp.asarray(index, jnp.int32)

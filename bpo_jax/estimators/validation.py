@@ -47,14 +47,17 @@ def prepare(seg_parent, seg_child, seg_values, num_nodes, name: str = "seg_rewar
     return parent, child, values, num_nodes
 
 
-def validate_forest(seg_parent, seg_child, num_nodes: int, *, seg_reward=None) -> None:
+def validate_forest(
+    seg_parent, seg_child, num_nodes: int, *, seg_reward=None, seg_len=None
+) -> None:
     """Checks on the host (NumPy, vectorised) that the arrays describe a forest.
 
     Raises:
       ValueError: naming the first offending node or segment, if an id is out of range, a node
         has fewer than two children (it must not be a node: merge the segments), a node that a
         segment ends at has no children, a node is entered by more than one segment, segments
-        form a cycle, or a reward is not finite.
+        form a cycle, a reward is not finite, or a step count (`seg_len`) is not a whole
+        number >= 0.
     """
     parent = np.asarray(seg_parent).astype(np.int64)
     child = np.asarray(seg_child).astype(np.int64)
@@ -96,3 +99,12 @@ def validate_forest(seg_parent, seg_child, num_nodes: int, *, seg_reward=None) -
         bad = np.flatnonzero(valid & ~np.isfinite(reward))
         if bad.size:
             raise ValueError(f"seg_reward[{bad[0]}] = {reward[bad[0]]} is not finite")
+    if seg_len is not None:
+        length = np.asarray(seg_len, np.float64)
+        whole = np.isfinite(length) & (length >= 0) & (length == np.floor(length))
+        bad = np.flatnonzero(valid & ~whole)
+        if bad.size:
+            raise ValueError(
+                f"seg_len[{bad[0]}] = {length[bad[0]]} is not a number of steps (a whole "
+                "number >= 0)"
+            )

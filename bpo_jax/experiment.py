@@ -2,8 +2,9 @@
 
 An experiment file (experiments/*.py, loaded by path by ml_collections' config_flags) calls
 `parse_variants(arg)`, then `base_config(variants, ...)`, then sets `c.env` and overrides, with
-a comment saying why, the fields its environment needs differently. Only ml_collections is
-imported here, so that loading a config stays fast and needs no accelerator.
+a comment saying why, the fields its environment needs differently. Only ml_collections
+(and the rules table of `bpo_jax.models.axes`, which imports nothing) is imported here, so that
+loading a config stays fast and needs no accelerator.
 """
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ from pathlib import Path
 from types import ModuleType
 
 import ml_collections
+
+from bpo_jax.models import axes
 
 VARIANTS = ("cpu", "algo", "model")
 
@@ -91,17 +94,7 @@ def base_config(
     c.mesh.data = 1
     c.mesh.fsdp = -1
     c.mesh.tensor = 1
-    c.mesh.rules = (
-        ("batch", ("data", "fsdp")),
-        ("length", None),
-        ("embed", "fsdp"),
-        ("heads", "tensor"),
-        ("kv_heads", "tensor"),
-        ("head_dim", None),
-        ("mlp", "tensor"),
-        ("vocab", "tensor"),
-        ("layers", None),
-    )
+    c.mesh.rules = axes.DEFAULT_RULES  # Override with a tuple of (logical axis, mesh axes).
 
     # Agent turn format (bpo_jax/agent.py): task + first observation + the last `history_turns`
     # (observation, action) pairs + the current observation; the action is parsed from the

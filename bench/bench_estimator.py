@@ -47,7 +47,9 @@ def main(argv=None):
     parser.add_argument("--branch-prob", type=float, default=0.5)
     parser.add_argument("--repeats", type=int, default=10, help="jitted runs (median)")
     parser.add_argument("--ref-repeats", type=int, default=3, help="reference runs (median)")
-    parser.add_argument("--extra", action="store_true", help="also time treerl and gigpo")
+    parser.add_argument(
+        "--extra", action="store_true", help="also time treerl, gigpo and trajectory_weights"
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", type=Path, help="write the results here")
     args = parser.parse_args(argv)
@@ -114,6 +116,18 @@ def main(argv=None):
             if not max_err[name] <= 1e-4:
                 raise SystemExit(f"jitted {name} differs from the reference by {max_err[name]}")
             rows.append((name, t_jit, t_ref))
+        real_t = f["step_segment"] >= 0
+        seg_len = np.bincount(f["step_segment"][real_t], minlength=args.segments)
+        traj = jax.jit(lambda p, c, n: est.trajectory_weights(p, c, n, num_nodes))
+        traj_args = (device_args[0], device_args[1], jnp.asarray(seg_len))
+        jax.block_until_ready(traj(*traj_args))
+        t_jit, out = _time(lambda: traj(*traj_args), args.repeats)
+        ref_traj = (f["seg_parent"], f["seg_child"], seg_len, num_nodes)
+        t_ref, expected = _time(lambda: ref.trajectory_weights(*ref_traj), 1)
+        max_err["trajectory_weights"] = float(np.max(np.abs(np.asarray(out) - expected)))
+        if not max_err["trajectory_weights"] <= 1e-4:
+            raise SystemExit(f"jitted trajectory weights differ by {max_err['trajectory_weights']}")
+        rows.append(("trajectory_weights", t_jit, t_ref))
 
     print(
         f"forest: {args.tasks} tasks, {real_segments}/{args.segments} segments, "

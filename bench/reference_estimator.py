@@ -106,6 +106,38 @@ def segment_weights(seg_parent, seg_child, num_nodes):
     return weights
 
 
+def path_lengths(seg_parent, seg_child, seg_len, num_nodes):
+    """Steps from the task's root to the end of each segment: its own plus those above it."""
+    forest = ReferenceForest(seg_parent, seg_child, np.zeros(len(seg_parent)), num_nodes)
+    lengths = np.zeros(len(forest.seg_parent), np.int64)
+    for s in range(len(lengths)):
+        if forest.is_padding(s):
+            continue
+        above = forest.ancestors(forest.seg_parent[s])[:-1]  # nodes entered, the root excluded
+        lengths[s] = int(seg_len[s]) + sum(int(seg_len[forest.incoming[n]]) for n in above)
+    return lengths
+
+
+def trajectory_weights(seg_parent, seg_child, seg_len, num_nodes):
+    """Per leaf l, w(l) / L(l) added to every segment on its root-to-leaf path.
+
+    The loop of `RolloutForest.step_weights("trajectory")`: w(l) the path mass of the leaf
+    segment, L(l) the steps on its path (a path of 0 steps counts as 1).
+    """
+    forest = ReferenceForest(seg_parent, seg_child, np.zeros(len(seg_parent)), num_nodes)
+    mass = segment_weights(seg_parent, seg_child, num_nodes)
+    lengths = path_lengths(seg_parent, seg_child, seg_len, num_nodes)
+    weights = np.zeros(len(forest.seg_parent))
+    for s in range(len(weights)):
+        if forest.is_padding(s) or forest.seg_child[s] >= 0:
+            continue
+        share = mass[s] / max(lengths[s], 1)
+        weights[s] += share
+        for node in forest.ancestors(forest.seg_parent[s])[:-1]:
+            weights[forest.incoming[node]] += share
+    return weights
+
+
 def expand(values, index):
     """values[index], 0 where index is -1 (a NumPy gather: the readable way to write it)."""
     values = np.asarray(values)

@@ -2,8 +2,9 @@
 
 An experiment file (experiments/*.py, loaded by path by ml_collections' config_flags) calls
 `parse_variants(arg)`, then `base_config(variants, ...)`, then sets `c.env` and overrides, with
-a comment saying why, the fields its environment needs differently. Only ml_collections is
-imported here, so that loading a config stays fast and needs no accelerator.
+a comment saying why, the fields its environment needs differently. Only ml_collections
+(and the rules table of `bpo_jax.models.axes`, which imports nothing) is imported here, so that
+loading a config stays fast and needs no accelerator.
 """
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ from pathlib import Path
 from types import ModuleType
 
 import ml_collections
+
+from bpo_jax.models import axes
 
 VARIANTS = ("cpu", "algo", "model")
 
@@ -86,22 +89,12 @@ def base_config(
     # Device mesh (data, fsdp, tensor); -1 takes the remaining devices. Logical-axis rules map the
     # model's named axes to mesh axes (see bpo_jax/models/sharding.py). With data > 1 the sampler
     # decodes each data-parallel replica's rows as its own program, with no communication in the
-    # decode loop (see bpo_jax/sampler.py); a batch that data does not divide is one program.
+    # decode loop (see bpo_jax/sampler/); a batch that data does not divide is one program.
     c.mesh = ml_collections.ConfigDict()
     c.mesh.data = 1
     c.mesh.fsdp = -1
     c.mesh.tensor = 1
-    c.mesh.rules = (
-        ("batch", ("data", "fsdp")),
-        ("length", None),
-        ("embed", "fsdp"),
-        ("heads", "tensor"),
-        ("kv_heads", "tensor"),
-        ("head_dim", None),
-        ("mlp", "tensor"),
-        ("vocab", "tensor"),
-        ("layers", None),
-    )
+    c.mesh.rules = axes.DEFAULT_RULES  # Override with a tuple of (logical axis, mesh axes).
 
     # Agent turn format (bpo_jax/agent.py): task + first observation + the last `history_turns`
     # (observation, action) pairs + the current observation; the action is parsed from the

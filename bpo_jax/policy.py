@@ -165,17 +165,3 @@ class Policy:
                 )
             )
         return samples
-
-    def act(self, prompts: list[list[int]], rng, *, greedy: bool = False):
-        """Generates one action per prompt.
-
-        Returns:
-          (list of ActionSample, cost dict with generated_tokens and prefilled_tokens).
-        """
-        ctx = self.prefill(prompts)
-        samples = self.sample(ctx, rng, greedy=greedy)
-        cost = {
-            "generated_tokens": sum(len(s.token_ids) for s in samples),
-            "prefilled_tokens": ctx.prefilled_tokens,
-        }
-        return samples, cost

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from bpo_jax import estimators as est
+from bpo_jax.estimators import kernels as est_kernels
 
 _REF_PATH = Path(__file__).resolve().parents[1] / "bench" / "reference_estimator.py"
 _spec = importlib.util.spec_from_file_location("reference_estimator", _REF_PATH)
@@ -151,6 +152,56 @@ def test_weights_sum_to_one_per_depth_of_a_full_tree():
     assert np.asarray(est.segment_weights(*_args(NESTED)[:2], 3))[leaves].sum() == pytest.approx(1)
 
 
+# Steps per segment of NESTED. Root-to-leaf paths (segments; steps; mass w):
+#   s1 (3; 1/2)   s0 s2 (2+1 = 3; 1/6)   s0 s3 (2+4 = 6; 1/6)
+#   s0 s4 s5 (2+2+1 = 5; 1/12)           s0 s4 s6 (2+2+3 = 7; 1/12)
+NESTED_LEN = [2, 3, 1, 4, 2, 1, 3]
+NESTED_PATH_LEN = [2, 3, 3, 6, 4, 5, 7]
+_S2, _S3, _S5, _S6 = 1 / 6 / 3, 1 / 6 / 6, 1 / 12 / 5, 1 / 12 / 7
+NESTED_TRAJECTORY = [_S2 + _S3 + _S5 + _S6, 1 / 2 / 3, _S2, _S3, _S5 + _S6, _S5, _S6]
+
+
+def test_trajectory_weights_by_hand():
+    parent, child = NESTED["seg_parent"], NESTED["seg_child"]
+    weights = est.trajectory_weights(parent, child, NESTED_LEN, 3)
+    np.testing.assert_allclose(weights, NESTED_TRAJECTORY, **TOL)
+    lengths = est.path_lengths(parent, child, NESTED_LEN, 3)
+    assert lengths.dtype == jnp.int32
+    np.testing.assert_array_equal(lengths, NESTED_PATH_LEN)
+    # Summed over its steps, each path counts once with its mass: the task's total is 1.
+    assert float(np.dot(weights, NESTED_LEN)) == pytest.approx(1.0)
+    # An independent group: (1/N) / (trajectory length).
+    flat = est.trajectory_weights([0, 0, 0], [-1, -1, -1], [4, 2, 5], 1)
+    np.testing.assert_allclose(flat, [1 / 12, 1 / 6, 1 / 15], **TOL)
+
+
+def test_trajectory_weights_padding_and_empty_segments():
+    # Root 0 branches before the first step (s0 and s1 have 0 steps); s1 ends at node 1, whose
+    # children have 0 and 2 steps. A path of 0 steps counts as 1 step (s0, s2). Padding s4 has a
+    # nonsense length that must be ignored.
+    parent, child = [0, 0, 1, 1, -1], [-1, 1, -1, -1, -1]
+    seg_len = [0, 0, 0, 2, 7]
+    weights = est.trajectory_weights(parent, child, seg_len, 4)
+    np.testing.assert_allclose(weights, [1 / 2, 1 / 4 + 1 / 8, 1 / 4, 1 / 8, 0.0], **TOL)
+    np.testing.assert_array_equal(est.path_lengths(parent, child, seg_len, 4), [0, 0, 0, 2, 0])
+
+
+def test_trajectory_weights_check_their_arguments():
+    parent, child = NESTED["seg_parent"], NESTED["seg_child"]
+    with pytest.raises(ValueError, match=r"seg_len\[2\] = -1.0 is not a number of steps"):
+        est.trajectory_weights(parent, child, [2, 3, -1, 4, 2, 1, 3], 3)
+    with pytest.raises(ValueError, match=r"seg_len\[0\] = 1.5"):
+        est.path_lengths(parent, child, [1.5, 3, 1, 4, 2, 1, 3], 3)
+    with pytest.raises(ValueError, match="seg_len"):
+        est.trajectory_weights(parent, child, [1, 2], 3)
+    with pytest.raises(ValueError, match="node 2 has 1 child"):
+        est.trajectory_weights([0, 0, 2], [2, -1, -1], [1, 1, 1], 3)
+    # Padding segments are not checked; under jit nothing is (the kernel runs on tracers).
+    est.trajectory_weights([0, 0, -1], [-1, -1, -1], [1, 1, -5], 1)
+    jitted = jax.jit(lambda n: est.trajectory_weights(parent, child, n, 3))
+    np.testing.assert_allclose(jitted(jnp.asarray(NESTED_LEN)), NESTED_TRAJECTORY, **TOL)
+
+
 def test_one_child_node_raises_with_node_id():
     # Node 2 has a single child segment.
     parent, child = [0, 0, 2], [2, -1, -1]
@@ -237,9 +288,9 @@ def test_jit_compiles_once_for_fixed_shapes():
     expected = ref.expand(expected_a * np.array(NESTED_WEIGHTS), np.asarray(step_segment))
     np.testing.assert_allclose(per_step, expected, **TOL)
     # The library's own kernel cache does not grow with new values either.
-    before = est._tree_advantages_kernel._cache_size()
+    before = est_kernels._tree_advantages_kernel._cache_size()
     est.tree_advantages(*_args(dict(NESTED, seg_reward=np.ones(7))))
-    assert est._tree_advantages_kernel._cache_size() == before
+    assert est_kernels._tree_advantages_kernel._cache_size() == before
 
 
 def test_expand_to_steps_and_tokens():
@@ -382,6 +433,15 @@ def test_random_forests_match_the_numpy_oracle(seed, k, depth, interleave):
         np.testing.assert_allclose(adv, ref_adv, **TOL)
     weights = est.segment_weights(f["seg_parent"], f["seg_child"], f["num_nodes"])
     np.testing.assert_allclose(weights, ref.segment_weights(*args[:2], args[3]), **TOL)
+    seg_len = np.bincount(f["step_segment"][f["step_segment"] >= 0], minlength=400)
+    lengths = est.path_lengths(f["seg_parent"], f["seg_child"], seg_len, f["num_nodes"])
+    np.testing.assert_array_equal(lengths, ref.path_lengths(*args[:2], seg_len, args[3]))
+    trajectory = est.trajectory_weights(f["seg_parent"], f["seg_child"], seg_len, f["num_nodes"])
+    np.testing.assert_allclose(
+        trajectory, ref.trajectory_weights(*args[:2], seg_len, args[3]), **TOL
+    )
+    # Every task's paths carry its whole mass once: the step-weighted sum is the task count.
+    assert float(np.dot(trajectory, seg_len)) == pytest.approx(10, rel=1e-5)
     forest = est.Forest(**f)
     np.testing.assert_allclose(est.get_estimator("treerl")(forest), ref.treerl(*args), **TOL)
     steps = (f["step_segment"], f["step_obs_id"], f["step_reward"])

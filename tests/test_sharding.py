@@ -61,6 +61,41 @@ def test_custom_rules_by_argument_and_context():
     assert sharding.current_rules() == sharding.DEFAULT_RULES
 
 
+def test_config_rules_are_the_one_table_and_can_be_overridden():
+    """Every experiment's `mesh.rules` is `DEFAULT_RULES`, loaded without importing JAX; a
+    config that overrides the field gets its own rules through `axis_rules`."""
+    script = textwrap.dedent(
+        """
+        import json, sys
+        from bpo_jax.experiment import load_experiment
+        out = {}
+        for name in ("alfworld", "webshop", "swebench"):
+            c = load_experiment(f"experiments/{name}.py").get_config("cpu")
+            out[name] = [list(r) if isinstance(r, tuple) else r for r in c.mesh.rules]
+        out["jax_imported"] = "jax" in sys.modules
+        print(json.dumps(out))
+        """
+    )
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, PYTHONPATH=root)
+    run = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, cwd=root, env=env
+    )
+    assert run.returncode == 0, run.stderr
+    out = json.loads(run.stdout.strip().splitlines()[-1])
+    assert out.pop("jax_imported") is False
+    default = json.loads(json.dumps(sharding.DEFAULT_RULES))
+    assert out == dict.fromkeys(("alfworld", "webshop", "swebench"), default)
+
+    from bpo_jax.experiment import load_experiment
+
+    c = load_experiment(os.path.join(root, "experiments", "alfworld.py")).get_config("cpu")
+    assert c.mesh.rules is sharding.DEFAULT_RULES
+    c.mesh.rules = tuple((k, "tensor" if k == "embed" else v) for k, v in c.mesh.rules)
+    with sharding.axis_rules(c.mesh.rules):
+        assert sharding.logical_to_spec(("embed", "mlp")) == PartitionSpec("tensor", None)
+
+
 def test_constrain_is_identity_outside_a_mesh():
     x = jax.numpy.ones((2, 3))
     assert sharding.constrain(x, ("batch", "embed")) is x

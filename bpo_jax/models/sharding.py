@@ -1,10 +1,11 @@
 """Logical-axis sharding: model code names axes, one rules table maps them to the mesh.
 
 Model code only ever says which *logical* axis a dimension is (`batch`, `length`, `embed`,
-`heads`, `kv_heads`, `head_dim`, `mlp`, `vocab`). The rules table (in the experiment config)
-says which mesh axes (`data`, `fsdp`, `tensor`) each logical axis is split over. A dimension
-whose size is not divisible by the mesh axes it maps to is replicated instead of failing, so the
-same rules serve a 7B model on a pod and the tiny model on 8 fake CPU devices.
+`heads`, `kv_heads`, `head_dim`, `mlp`, `vocab`). The rules table (`axes.DEFAULT_RULES`,
+copied into the experiment config as `mesh.rules`, where it can be overridden) says which mesh
+axes (`data`, `fsdp`, `tensor`) each logical axis is split over. A dimension whose size is not
+divisible by the mesh axes it maps to is replicated instead of failing, so the same rules serve
+a 7B model on a pod and the tiny model on 8 fake CPU devices.
 """
 
 from __future__ import annotations
@@ -18,21 +19,18 @@ import jax
 import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
-MESH_AXES = ("data", "fsdp", "tensor")
+from bpo_jax.models.axes import DEFAULT_RULES, MESH_AXES
 
-# Logical axis -> mesh axes. FSDP shards the parameters' embed dimension and the batch;
-# tensor parallelism shards heads, the MLP width and the vocabulary.
-DEFAULT_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
-    ("batch", ("data", "fsdp")),
-    ("length", None),
-    ("embed", "fsdp"),
-    ("heads", "tensor"),
-    ("kv_heads", "tensor"),
-    ("head_dim", None),
-    ("mlp", "tensor"),
-    ("vocab", "tensor"),
-    ("layers", None),
-)
+__all__ = [
+    "DEFAULT_RULES",
+    "MESH_AXES",
+    "axis_rules",
+    "constrain",
+    "current_rules",
+    "logical_to_spec",
+    "make_mesh",
+    "named_sharding",
+]
 
 _RULES: contextvars.ContextVar = contextvars.ContextVar("bpo_jax_axis_rules", default=DEFAULT_RULES)
 

@@ -426,6 +426,7 @@ class SweEnv(FileTools):
         if note := describe_refused(refused):
             lines.append(note)
         missing = [n for n in (*task.fail_to_pass, *task.pass_to_pass) if not outcomes.passed(n)]
+        missing = [] if problem else missing  # The problem line says why none passed.
         for nodeid in missing[:5]:
             state = outcomes.outcomes.get(nodeid, "not run")
             message = outcomes.messages.get(nodeid, "")

@@ -16,8 +16,8 @@ import pytest
 from swe_fixtures import FILE_HACKS, GOLD_ACTION, LEAP_LINE, hacks, leap_task, put, write_minicalc
 
 from envs.base import make_env
-from envs.swe.grading import graded_files, library_source
-from envs.swe.jail import verify_harness_report
+from envs.swe.grading import graded_files, graded_outcomes, library_source
+from envs.swe.jail import Limits, run_harness, verify_harness_report
 from envs.swe.workspace import Workspace
 
 # How the grader explains a zero, for the hacks that run inside the test process.
@@ -152,3 +152,63 @@ def test_harness_report_needs_every_signed_record_and_the_end():
     assert verify_harness_report([*lines, lines[0]], key)[1] is None  # Signed after the end.
     assert verify_harness_report([lines[1], lines[0], lines[2]], key)[1] is None  # Reordered.
     assert verify_harness_report(lines, "z" * 64) == ([], None)
+
+
+_ORDINARY_TESTS = """\
+import builtins
+import os
+
+import pytest
+
+from pkg import mod
+
+
+def test_monkeypatched_os_and_builtins(monkeypatch):
+    monkeypatch.setattr(os, "getcwd", lambda: "/elsewhere")
+    monkeypatch.setattr(builtins, "len", lambda x: 7)
+    assert os.getcwd() == "/elsewhere" and len([]) == 7 and mod.VALUE == 1
+
+
+@pytest.mark.xfail(reason="known")
+def test_marked_xfail():
+    assert mod.VALUE == 2
+
+
+def test_imperative_xfail_in_a_pristine_test():
+    pytest.xfail("not yet")
+
+
+def test_skipped():
+    pytest.skip("no")
+
+
+def test_fails():
+    assert mod.VALUE == 2
+"""
+
+
+def test_harness_trusts_an_ordinary_suite(tmp_path):
+    """No false alarm: fixtures that patch and restore, markers, a pristine conftest plugin."""
+    (tmp_path / "pkg").mkdir()
+    (tmp_path / "pkg" / "__init__.py").write_text("")
+    (tmp_path / "pkg" / "mod.py").write_text("import gettext\n\ngettext.install('x')\nVALUE = 1\n")
+    (tmp_path / "tests").mkdir()
+    (tmp_path / "tests" / "test_mod.py").write_text(_ORDINARY_TESTS)
+    (tmp_path / "conftest.py").write_text(
+        "class Plugin:\n    def pytest_report_header(self):\n        return 'hi'\n\n\n"
+        "def pytest_configure(config):\n    config.pluginmanager.register(Plugin())\n"
+    )
+    result = run_harness(str(tmp_path), {}, ["-q", "-p", "no:cacheprovider", "tests"],
+                         limits=Limits(timeout_s=30), pythonpath=["/tmp/testbed"])  # fmt: skip
+    assert result.harness_end is not None, result.output
+    assert result.harness_end["changed"] == [] and result.harness_end["late_plugins"] == []
+    outcomes, problem = graded_outcomes(result)
+    assert problem is None
+    name = "tests/test_mod.py::test_"
+    assert outcomes.outcomes == {
+        name + "monkeypatched_os_and_builtins": "passed",
+        name + "marked_xfail": "xfailed",
+        name + "imperative_xfail_in_a_pristine_test": "xfailed",
+        name + "skipped": "skipped",
+        name + "fails": "failed",
+    }

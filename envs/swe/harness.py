@@ -42,7 +42,9 @@ from _hashlib import hmac_digest  # noqa: E402
 
 _TRACKED = ("builtins", "_pytest", "pytest", "pluggy", "__main__", "json", "_json", "hashlib",
             "_hashlib", "hmac", "os", "posix", "io", "_io")  # fmt: skip
-_IGNORED_BUILTINS = frozenset({"_"})  # sys.displayhook (doctests) sets it.
+# Names whose rebinding changes no behaviour: `_` (sys.displayhook sets it, in doctests) and
+# module metadata (six's tests, for one, reload modules, which rebinds `builtins.__spec__`).
+_IGNORED = frozenset({"_", "__spec__", "__loader__", "__doc__", "__name__", "__package__"})
 _write = os.write
 _encode = json.JSONEncoder(ensure_ascii=True, sort_keys=True).encode
 _MISSING = object()
@@ -109,11 +111,11 @@ def _tampered(snap):
             continue
         names = vars(module)
         for attr, value in entries.items():
-            if attr not in _IGNORED_BUILTINS and names.get(attr, _MISSING) is not value:
+            if attr not in _IGNORED and names.get(attr, _MISSING) is not value:
                 changed.append(f"{name}.{attr}")
         if name == "builtins":
             changed += [f"builtins.{a} (added)" for a in names.keys() - entries.keys()
-                        if a not in _IGNORED_BUILTINS]  # fmt: skip
+                        if a not in _IGNORED]  # fmt: skip
         for cls_name, methods in classes.items():
             now = vars(entries[cls_name])
             changed += [f"{name}.{cls_name}.{a}" for a, v in methods.items()

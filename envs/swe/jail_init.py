@@ -16,6 +16,11 @@ writes one JSON request to its stdin. It then:
    `kill(-1, SIGKILL)` removes every other process of the namespace;
 5. walks the tree for files the command created, changed or deleted, and answers with one JSON
    object on stdout: exit status, output (head and tail), changes, and the pytest report.
+   Everything this process (root, outside the chroot) does in the tree goes through directory
+   descriptors opened before the command started, never through a path (see `jail_fs.py`):
+   the command owns the tree and can rename or replace any of its folders with a symlink.
+   For grading it also installs the harness (`harness.py`, root-owned) and hands it a report
+   descriptor and a key (see `envs.swe.jail.run_harness`).
 
 When this process exits, the kernel kills whatever is left in the namespace and frees the tmpfs,
 so a jail cannot leave a process or a file behind, whatever the command does.

@@ -113,6 +113,9 @@ def test_library_source_rule():
     for rel in refused:
         assert not library_source(rel, pristine, set()), rel
     assert not library_source("pkg/mod.py", pristine, {"pkg/mod.py"})  # test_patch's files
+    # A package folder that is itself on sys.path takes edits, but no new module.
+    assert library_source("pkg/mod.py", pristine, set(), {"", "pkg"})
+    assert not library_source("pkg/json.py", pristine, set(), {"", "pkg"})
 
 
 def test_graded_files_keep_the_bug_and_take_only_library_changes(task):

@@ -53,13 +53,19 @@ def is_test_path(rel: str) -> bool:
     return any(fnmatch.fnmatchcase(name, pattern) for pattern in _TEST_NAMES)
 
 
-def library_source(rel: str, pristine: frozenset[str] | set[str], protected: set[str]) -> bool:
+def library_source(
+    rel: str,
+    pristine: frozenset[str] | set[str],
+    protected: set[str],
+    roots: frozenset[str] | set[str] = frozenset({""}),
+) -> bool:
     """Whether an agent's change to `rel` is taken into the grading tree.
 
     Taken: a change to a file of the pristine tree that is not a test, conftest or runner
     configuration, and a new file inside a package folder of the pristine tree (one with an
-    `__init__.py`: never the root or another sys.path folder, where a new module could shadow
-    one by name). Never: anything Python or pytest loads by its name or suffix.
+    `__init__.py`), unless that folder is one of the `roots` on sys.path ("" is the tree's
+    root), where a new module could shadow any other by name. Never: anything Python or
+    pytest loads by its name or suffix.
     """
     parts = rel.split("/")
     if rel in protected or is_test_path(rel) or "__pycache__" in parts:
@@ -69,7 +75,7 @@ def library_source(rel: str, pristine: frozenset[str] | set[str], protected: set
     if rel in pristine:
         return True
     folder = "/".join(parts[:-1])
-    return bool(folder) and f"{folder}/__init__.py" in pristine
+    return folder not in roots and f"{folder}/__init__.py" in pristine
 
 
 def graded_files(
@@ -84,13 +90,14 @@ def graded_files(
     if task.test_patch:
         protected.update(patched_paths(task.test_patch))
     pristine = set(ws.all_files(at_start=True))
+    roots = {"" if p in ("", ".") else p.strip("/") for p in task.pythonpath} | {""}
     files = {p: c for p, c in ws.start.items() if p not in protected and not is_test_path(p)}
     taken, refused = [], []
     for rel in sorted(set(ws.files) | set(ws.start)):
         now, start = ws.files.get(rel, _MISSING), ws.start.get(rel, _MISSING)
         if now is start or now == start:
             continue
-        if not library_source(rel, pristine, protected):
+        if not library_source(rel, pristine, protected, roots):
             refused.append(rel)
             continue
         taken.append(rel)

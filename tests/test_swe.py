@@ -14,6 +14,8 @@ import time
 from pathlib import Path
 
 import pytest
+from swe_fixtures import CALC as _CALC
+from swe_fixtures import write_minicalc
 
 from envs.base import load_tasks, make_env
 from envs.sandbox import SandboxPool, make_backend, procutil
@@ -29,122 +31,9 @@ from envs.swe.mutate import KINDS, find_mutants
 from envs.swe.packages import PackageSpec
 from envs.swe.patching import PatchError, apply_patch, make_patch, tree_hash
 
-_CALC = '''\
-"""minicalc: small arithmetic helpers (a test fixture of bpo_jax)."""
-
-
-def clamp(x, lo, hi):
-    if x < lo:
-        return lo
-    if x > hi:
-        return hi
-    return x
-
-
-def mean(xs):
-    if not xs:
-        raise ValueError("mean of nothing")
-    return sum(xs) / len(xs)
-
-
-def is_leap(year):
-    return year % 4 == 0 and (year % 100 != 0 or year % 400 == 0)
-
-
-def chunks(xs, n):
-    return [xs[i : i + n] for i in range(0, len(xs), n)]
-
-
-def fib(n):
-    a, b = 0, 1
-    for _ in range(n):
-        a, b = b, a + b
-    return a
-
-
-def last(xs, k):
-    return xs[len(xs) - k :]
-'''
-
-_TEXT = """\
-def count_vowels(s):
-    total = 0
-    for ch in s.lower():
-        if ch in "aeiou":
-            total += 1
-    return total
-
-
-def shout(s, times=1):
-    return (s.upper() + "!") * times
-"""
-
-_TESTS_CALC = """\
-import pytest
-
-from minicalc import calc
-
-
-@pytest.mark.parametrize("x,expected", [(-5, 0), (0, 0), (5, 5), (10, 10), (11, 10)])
-def test_clamp(x, expected):
-    assert calc.clamp(x, 0, 10) == expected
-
-
-def test_mean():
-    assert calc.mean([1, 2, 3, 4]) == 2.5
-
-
-def test_mean_empty():
-    with pytest.raises(ValueError):
-        calc.mean([])
-
-
-@pytest.mark.parametrize("year,leap", [(1900, False), (2000, True), (2024, True), (2023, False)])
-def test_is_leap(year, leap):
-    assert calc.is_leap(year) is leap
-
-
-def test_chunks():
-    assert calc.chunks([1, 2, 3, 4, 5], 2) == [[1, 2], [3, 4], [5]]
-
-
-@pytest.mark.parametrize("n,value", [(0, 0), (1, 1), (2, 1), (7, 13)])
-def test_fib(n, value):
-    assert calc.fib(n) == value
-
-
-def test_last():
-    assert calc.last([1, 2, 3, 4], 2) == [3, 4]
-"""
-
-_TESTS_TEXT = """\
-from minicalc import text
-
-
-def test_count_vowels():
-    assert text.count_vowels("Education") == 5
-    assert text.count_vowels("xyz") == 0
-
-
-def test_shout():
-    assert text.shout("hi") == "HI!"
-    assert text.shout("no", 2) == "NO!NO!"
-"""
-
 
 def _write_fixture_archive(folder: Path) -> Path:
-    top = folder / "minicalc-0.1"
-    files = {
-        "minicalc/__init__.py": "",
-        "minicalc/calc.py": _CALC,
-        "minicalc/text.py": _TEXT,
-        "tests/test_calc.py": _TESTS_CALC,
-        "tests/test_text.py": _TESTS_TEXT,
-        "README": "minicalc: a bpo_jax test fixture, not a real package.\n",
-    }
-    for rel, text in files.items():
-        (top / rel).parent.mkdir(parents=True, exist_ok=True)
-        (top / rel).write_text(text)
+    top = write_minicalc(folder / "minicalc-0.1")
     archive = folder / "minicalc-0.1.tar.gz"
     with tarfile.open(archive, "w:gz") as t:
         t.add(top, arcname="minicalc-0.1")

@@ -4,7 +4,8 @@
   their functions, checked against their own test suites); `load_tasks(DIR, split)` lists them.
   SWE-bench Verified instances load with `source="swebench"` and run in Docker.
 - Environment: `make_env("swe", max_steps=30)`; the tool grammar is in `envs.swe.tools`, the
-  sandboxing in `envs.swe.jail`.
+  sandboxing in `envs.swe.jail`, what a submission is graded on and which results the grader
+  believes in `envs.swe.grading` and `envs.swe.harness`.
 
 Example:
     from envs.swe import load_tasks
@@ -28,7 +29,7 @@ from envs.swe.data import (
     resolve_data_root,
 )
 from envs.swe.env import SweEnv
-from envs.swe.jail import JailUnavailableError, Limits, run_in_jail
+from envs.swe.jail import JailUnavailableError, Limits, run_harness, run_in_jail
 from envs.swe.tools import HELP
 
 
@@ -49,5 +50,6 @@ __all__ = [
     "load_swebench",
     "load_tasks",
     "resolve_data_root",
+    "run_harness",
     "run_in_jail",
 ]

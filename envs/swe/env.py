@@ -29,14 +29,23 @@ from envs.base import StepResult, check_can_step, register_env
 from envs.swe import tools
 from envs.swe.data import SweTask
 from envs.swe.filetools import FileTools, ToolError
-from envs.swe.jail import JAIL_ROOT, JailResult, Limits, check_jail, run_in_jail
-from envs.swe.patching import PatchError, apply_patch, patched_paths
+from envs.swe.grading import describe_refused, graded_files, graded_outcomes
+from envs.swe.jail import JAIL_ROOT, JailResult, Limits, check_jail, run_harness, run_in_jail
+from envs.swe.patching import PatchError, apply_patch
 from envs.swe.results import TestOutcomes, normalize_text
 from envs.swe.workspace import PathError, Workspace
 
-__all__ = ["SweEnv", "jail_pythonpath", "pytest_command"]
+__all__ = ["SweEnv", "jail_pythonpath", "pytest_command", "pytest_options"]
 
 _EXECUTORS = ("jail", "docker")
+
+
+def pytest_options(pytest_args: Sequence[str], targets: Sequence[str]) -> list[str]:
+    """pytest's options for a run on `targets` (no plugin to load; see `pytest_command`)."""
+    return [
+        "-p", "no:cacheprovider", "-o", "addopts=", "-q", "--tb=short", "-rN", "--color=no",
+        *pytest_args, *targets,
+    ]  # fmt: skip
 
 
 def pytest_command(python: str, pytest_args: Sequence[str], targets: Sequence[str]) -> list[str]:
@@ -46,11 +55,7 @@ def pytest_command(python: str, pytest_args: Sequence[str], targets: Sequence[st
     plugin autoloading is off (`run_in_jail` sets PYTEST_DISABLE_PLUGIN_AUTOLOAD), so a run
     depends only on pytest and the repository.
     """
-    return [
-        python, "-m", "pytest", "-p", "bpo_swe_report", "-p", "no:cacheprovider",
-        "-o", "addopts=", "-q", "--tb=short", "-rN", "--color=no",
-        *pytest_args, *targets,
-    ]  # fmt: skip
+    return [python, "-m", "pytest", "-p", "bpo_swe_report", *pytest_options(pytest_args, targets)]
 
 
 def jail_pythonpath(pythonpath: Sequence[str]) -> str:
@@ -384,25 +389,23 @@ class SweEnv(FileTools):
         )  # fmt: skip
 
     def _grade(self) -> tuple[bool, str, dict[str, int]]:
-        """Runs the task's tests on the working copy with pristine test files."""
+        """Grades the agent's library changes on pristine tests (see `envs.swe.grading`)."""
         task, ws = self._task, self._ws
         assert task is not None and ws is not None
-        files = ws.overlay(drop=self._protected_paths())
-        if task.test_patch:
-            base = Workspace(ws.base)
-            try:
-                patched = apply_patch(lambda p: _read_or_none(base, p), task.test_patch)
-            except PatchError as e:
-                raise RuntimeError(
-                    f"Task {task.task_id}: its test_patch does not apply: {e}"
-                ) from e
-            files.update({p: None if t is None else t.encode() for p, t in patched.items()})
-        targets = task.test_files()
-        result = self._execute(
-            pytest_command(self.python, task.pytest_args, targets), files, self.test_limits,
-            report=True, capture=False,
-        )  # fmt: skip
-        outcomes = TestOutcomes(result.report)
+        files, taken, refused = graded_files(task, ws)
+        options = pytest_options(task.pytest_args, task.test_files())
+        if self._docker is not None:
+            result = self._execute([self.python, "-m", "pytest", "-p", "bpo_swe_report", *options],
+                                   files, self.test_limits, report=True)  # fmt: skip
+            outcomes = TestOutcomes(result.report)
+            problem = f"the grading run could not start: {result.error}" if result.error else None
+        else:
+            result = run_harness(
+                ws.base, files, options, limits=self.test_limits, python=self.python,
+                pythonpath=jail_pythonpath(task.pythonpath).split(":"),
+                agent_files=[f"{JAIL_ROOT}/{p}" for p in taken],
+            )  # fmt: skip
+            outcomes, problem = graded_outcomes(result)
         f2p = [n for n in task.fail_to_pass if outcomes.passed(n)]
         p2p = [n for n in task.pass_to_pass if outcomes.passed(n)]
         counts = {
@@ -416,11 +419,14 @@ class SweEnv(FileTools):
             f"FAIL_TO_PASS: {len(f2p)}/{len(task.fail_to_pass)} pass; "
             f"PASS_TO_PASS: {len(p2p)}/{len(task.pass_to_pass)} pass."
         ]
-        if result.error:
-            lines.append(f"The grading run could not start: {result.error}")
+        if problem:
+            lines.append(problem[0].upper() + problem[1:] + ".")
         elif result.timed_out:
             lines.append(f"The grading run timed out after {self.test_limits.timeout_s:g} s.")
+        if note := describe_refused(refused):
+            lines.append(note)
         missing = [n for n in (*task.fail_to_pass, *task.pass_to_pass) if not outcomes.passed(n)]
+        missing = [] if problem else missing  # The problem line says why none passed.
         for nodeid in missing[:5]:
             state = outcomes.outcomes.get(nodeid, "not run")
             message = outcomes.messages.get(nodeid, "")
@@ -429,17 +435,6 @@ class SweEnv(FileTools):
             lines.append(f"... and {len(missing) - 5} more.")
         lines.append("Resolved." if won else "Not resolved.")
         return won, "\n".join(lines), counts
-
-    def _protected_paths(self) -> set[str]:
-        """Files graded in their original form: the test files, conftest.py, test_patch's."""
-        task, ws = self._task, self._ws
-        assert task is not None and ws is not None
-        paths = set(task.test_files())
-        paths.update(p for p in ws.all_files() if p.rsplit("/", 1)[-1] == "conftest.py")
-        paths.update(p for p in ws.files if p.rsplit("/", 1)[-1] == "conftest.py")
-        if task.test_patch:
-            paths.update(patched_paths(task.test_patch))
-        return paths
 
 
 def _read_or_none(ws: Workspace, rel: str) -> str | None:

@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import base64
 import dataclasses
+import hashlib
+import hmac
 import json
 import os
 import secrets
@@ -35,6 +37,7 @@ __all__ = [
     "JailResult",
     "JailUnavailableError",
     "check_jail",
+    "run_harness",
     "run_in_jail",
 ]
 
@@ -42,6 +45,8 @@ JAIL_ROOT = "/tmp/testbed"  # Where the tree is inside a jail (the command's wor
 _INIT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "jail_init.py")
 _PLUGIN = os.path.join(os.path.dirname(os.path.abspath(__file__)), "pytest_report.py")
 _PLUGIN_NAME = "bpo_swe_report"
+_HARNESS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "harness.py")
+_HARNESS_IN_ROOT = "/.bpo_harness/harness.py"  # Root-owned in the jail (see jail_init).
 # Unprivileged uids for jails: one drawn at random per command, far above any real account, so
 # that the per-uid process limit (RLIMIT_NPROC) counts that command's processes alone.
 _UID_BASE, _UID_SPAN = 1 << 30, 1 << 29
@@ -126,6 +131,12 @@ class JailResult:
         cgroups: Controllers ("memory", "pids") whose per-jail cgroup capped the command's
             processes together; empty where no writable cgroup v1 hierarchy exists (then only
             the per-process rlimits apply).
+        refused: Overlay paths that were not written into the jail's tree, with the reason
+            (a path through a symlink of the base tree).
+        harness_end: The grading harness's verified end record (`run_harness` only): its
+            `exitstatus`, `changed` (tampered objects) and `late_plugins`. None when the
+            harness did not finish or its report could not be verified; then `report` may lack
+            tests.
         error: Set when the jail itself could not be built; the other fields are then empty.
     """
 
@@ -139,6 +150,8 @@ class JailResult:
     ignored: list[str] = dataclasses.field(default_factory=list)
     report: list[dict[str, Any]] | None = None
     cgroups: list[str] = dataclasses.field(default_factory=list)
+    refused: list[str] = dataclasses.field(default_factory=list)
+    harness_end: dict[str, Any] | None = None
     error: str | None = None
 
 
@@ -229,6 +242,97 @@ def run_in_jail(
     """
     check_jail()
     python = python or sys.executable
+    environ = _environment(python, env)
+    request = _request(base, files, argv, limits, environ, cwd, capture, python, read_only)
+    if pytest_report:
+        with open(_PLUGIN) as f:
+            request["plugin"] = (f"{_PLUGIN_NAME}.py", f.read())
+        environ["BPO_SWE_REPORT"] = "/tmp/.report/report.jsonl"
+        environ["PYTHONPATH"] = ":".join(
+            p for p in ("/tmp/.plugin", environ.get("PYTHONPATH", "")) if p
+        )
+    return _result(_run(request, limits, python))
+
+
+def run_harness(
+    base: str,
+    files: Mapping[str, bytes | None],
+    pytest_args: Sequence[str],
+    *,
+    limits: Limits,
+    pythonpath: Sequence[str] = (),
+    agent_files: Sequence[str] = (),
+    python: str | None = None,
+) -> JailResult:
+    """Runs pytest under the grading harness (`harness.py`) in a jail; see there for why.
+
+    Args:
+        base, files, limits, python: As for `run_in_jail`.
+        pytest_args: pytest's arguments (options and targets; no plugin to load).
+        pythonpath: Folders inside the jail put first on `sys.path` after the harness and pytest
+            are imported (e.g. `/tmp/testbed`).
+        agent_files: Jail paths of the files the agent changed (an imperative `pytest.xfail()`
+            raised from one of them does not count as xfailed).
+
+    Returns:
+        The result: `report` holds only records whose MAC checks out, `harness_end` the
+        harness's end record (None if it is missing or the records do not add up).
+    """
+    check_jail()
+    python = python or sys.executable
+    environ = _environment(python, {})
+    environ.pop("PYTHONPATH", None)
+    key = secrets.token_hex(32)
+    report_fd = 100 + secrets.randbelow(800)  # Below the jail's RLIMIT_NOFILE.
+    argv = [python, "-P", "-s", "-B", _HARNESS_IN_ROOT, "--report-fd", str(report_fd)]
+    for folder in pythonpath:
+        argv += ["--path", folder]
+    for path in agent_files:
+        argv += ["--agent-file", path]
+    argv += ["--", *pytest_args]
+    request = _request(base, files, argv, limits, environ, ".", False, python, ())
+    with open(_HARNESS) as f:
+        request["harness"] = {"source": f.read(), "key": key, "report_fd": report_fd}
+    reply = _run(request, limits, python)
+    result = _result(reply)
+    if not result.error:
+        result.report, result.harness_end = verify_harness_report(
+            reply.get("harness_report") or [], key
+        )
+    return result
+
+
+def verify_harness_report(
+    lines: Sequence[str], key: str
+) -> tuple[list[dict[str, Any]], dict[str, Any] | None]:
+    """(records, end record) from the harness's signed lines; see `harness.py`.
+
+    Lines whose MAC is wrong are dropped. The end record is returned only when it is the last
+    valid line, and every record it counts came through, in order.
+    """
+    records, end = [], None
+    for line in lines:
+        mac, _, text = line.partition(" ")
+        expected = hmac.new(key.encode(), text.encode(), hashlib.sha256).hexdigest()
+        if not hmac.compare_digest(mac, expected):
+            continue
+        try:
+            record = json.loads(text)
+        except ValueError:
+            continue
+        if end is not None or not isinstance(record, dict) or record.get("seq") != len(records):
+            end = None  # A record lost, or one after the end: not a complete run.
+            break
+        if record.get("when") == "end":
+            end = record
+        else:
+            records.append(record)
+    if end is not None and end.get("records") != len(records):
+        end = None
+    return records, end
+
+
+def _environment(python: str, env: Mapping[str, str] | None) -> dict[str, str]:
     environ = {
         "PATH": f"{os.path.dirname(python)}:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/bin",
         "HOME": "/tmp/home",
@@ -243,7 +347,11 @@ def run_in_jail(
         "PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1",
     }
     environ.update(env or {})
-    request: dict[str, Any] = {
+    return environ
+
+
+def _request(base, files, argv, limits, environ, cwd, capture, python, read_only):
+    return {
         "base": os.path.abspath(base),
         "files": {
             path: None if content is None else base64.b64encode(content).decode()
@@ -257,14 +365,10 @@ def run_in_jail(
         "capture": capture,
         "read_only": sorted(set(interpreter_paths(python)) | set(read_only)),
     }
-    if pytest_report:
-        with open(_PLUGIN) as f:
-            request["plugin"] = (f"{_PLUGIN_NAME}.py", f.read())
-        report_dir = "/tmp/.report"
-        environ["BPO_SWE_REPORT"] = f"{report_dir}/report.jsonl"
-        environ["PYTHONPATH"] = ":".join(
-            p for p in ("/tmp/.plugin", environ.get("PYTHONPATH", "")) if p
-        )
+
+
+def _run(request: dict[str, Any], limits: Limits, python: str) -> dict[str, Any]:
+    """Runs one request through `jail_init.py`; its JSON reply (or {"error": ...})."""
     command = [
         "setpriv", "--pdeathsig", "KILL", "--",
         "unshare", "--mount", "--net", "--pid", "--fork", "--kill-child",
@@ -285,17 +389,18 @@ def run_in_jail(
     except subprocess.TimeoutExpired:
         proc.kill()  # --kill-child then kills the jail's process 1, and with it the namespace.
         proc.communicate()
-        return JailResult(
-            error=f"the jail did not finish within {limits.timeout_s + _SLACK_S:.0f} s and was "
-            "killed"
-        )
+        return {
+            "error": f"the jail did not finish within {limits.timeout_s + _SLACK_S:.0f} s and "
+            "was killed"
+        }
     try:
-        reply = json.loads(out)
+        return json.loads(out)
     except ValueError:
         detail = (err or out).decode("utf-8", "replace").strip()[-1500:]
-        return JailResult(
-            error=f"the jail exited with status {proc.returncode} without a reply: {detail}"
-        )
+        return {"error": f"the jail exited with status {proc.returncode} without a reply: {detail}"}
+
+
+def _result(reply: dict[str, Any]) -> JailResult:
     if reply.get("error"):
         return JailResult(error=reply["error"])
     changes = {
@@ -313,4 +418,5 @@ def run_in_jail(
         ignored=list(reply.get("ignored") or ()),
         report=reply.get("report"),
         cgroups=list(reply.get("cgroups") or ()),
+        refused=list(reply.get("refused") or ()),
     )

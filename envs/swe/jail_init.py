@@ -16,23 +16,39 @@ writes one JSON request to its stdin. It then:
    `kill(-1, SIGKILL)` removes every other process of the namespace;
 5. walks the tree for files the command created, changed or deleted, and answers with one JSON
    object on stdout: exit status, output (head and tail), changes, and the pytest report.
+   Everything this process (root, outside the chroot) does in the tree goes through directory
+   descriptors opened before the command started, never through a path (see `jail_fs.py`):
+   the command owns the tree and can rename or replace any of its folders with a symlink.
+   For grading it also installs the harness (`harness.py`, root-owned) and hands it a report
+   descriptor and a key (see `envs.swe.jail.run_harness`).
 
 When this process exits, the kernel kills whatever is left in the namespace and frees the tmpfs,
 so a jail cannot leave a process or a file behind, whatever the command does.
 """
 
-import base64
 import ctypes
 import fcntl
+import importlib.util
 import json
 import os
 import resource
 import signal
 import socket
-import stat
 import struct
 import sys
 import time
+
+
+def _load_sibling(name):
+    # By file path: under `python -I` this folder is not on sys.path, and must not be.
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), name + ".py")
+    spec = importlib.util.spec_from_file_location(f"_bpo_{name}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+jail_fs = _load_sibling("jail_fs")
 
 # Host paths inside this mount namespace (the tmpfs hides the host's /tmp).
 _TMPFS = "/tmp"
@@ -42,10 +58,11 @@ NEW_ROOT = "/tmp/root"  # The command's file system root.
 TREE_IN_ROOT = "/tmp/testbed"
 _PLUGIN_IN_ROOT = "/tmp/.plugin"  # Root-owned, world-readable: the pytest report plugin.
 _REPORT_IN_ROOT = "/tmp/.report"  # Owned by the command's uid: pytest writes its report here.
+# Root-owned, world-readable, outside the command's writable folders: the grading harness.
+HARNESS_IN_ROOT = "/.bpo_harness/harness.py"
 TREE = NEW_ROOT + TREE_IN_ROOT
 _SYSTEM_PATHS = ("/usr", "/etc", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32")
 _DEVICES = ("null", "zero", "full", "random", "urandom")
-_SKIP_DIRS = {"__pycache__", ".pytest_cache", ".hypothesis", ".mypy_cache", ".ruff_cache"}
 _MS_RDONLY, _MS_NOSUID, _MS_NODEV, _MS_REMOUNT, _MS_BIND = 1, 2, 4, 32, 4096
 _libc = ctypes.CDLL(None, use_errno=True)
 
@@ -89,7 +106,7 @@ def _open_host_paths(paths):
     return opened
 
 
-def _build_root(opened, plugin):
+def _build_root(opened, plugin, harness=None):
     """Fills NEW_ROOT: read-only host paths, /dev, /proc, /tmp (see the module docstring)."""
     _mkdirs(NEW_ROOT)
     # Parents first, so that a path inside another (a venv inside a bound folder) lands on top.
@@ -128,6 +145,12 @@ def _build_root(opened, plugin):
         _mkdirs(NEW_ROOT + _PLUGIN_IN_ROOT)
         with open(os.path.join(NEW_ROOT + _PLUGIN_IN_ROOT, name), "w") as f:
             f.write(source)
+    if harness:
+        path = NEW_ROOT + HARNESS_IN_ROOT
+        _mkdirs(os.path.dirname(path))
+        with open(path, "w") as f:
+            f.write(harness["source"])
+        os.chmod(path, 0o444)
 
 
 def _loopback_up():
@@ -136,118 +159,6 @@ def _loopback_up():
         ifreq = struct.pack("16sH14x", b"lo", 0)
         flags = struct.unpack("16sH14x", fcntl.ioctl(sock, siocgifflags, ifreq))[1]
         fcntl.ioctl(sock, siocsifflags, struct.pack("16sH14x", b"lo", flags | iff_up))
-
-
-def _copy_tree(src_fd, dest, uid):
-    """Copies the folder open at `src_fd` into `dest` (created), never following symlinks."""
-    os.mkdir(dest, 0o755)
-    os.chown(dest, uid, uid)
-    with os.scandir(src_fd) as entries:
-        items = sorted((e.name, e.stat(follow_symlinks=False).st_mode) for e in entries)
-    for name, mode in items:
-        target = os.path.join(dest, name)
-        if stat.S_ISDIR(mode):
-            fd = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=src_fd)
-            try:
-                _copy_tree(fd, target, uid)
-            finally:
-                os.close(fd)
-        elif stat.S_ISREG(mode):
-            fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW, dir_fd=src_fd)
-            try:
-                out = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-                try:
-                    while True:
-                        chunk = os.read(fd, 1 << 20)
-                        if not chunk:
-                            break
-                        os.write(out, chunk)
-                finally:
-                    os.close(out)
-            finally:
-                os.close(fd)
-            os.chown(target, uid, uid)
-            os.chmod(target, 0o755 if mode & 0o111 else 0o644)
-        elif stat.S_ISLNK(mode):
-            os.symlink(os.readlink(name, dir_fd=src_fd), target)
-            os.lchown(target, uid, uid)
-
-
-def _makedirs(path, uid):
-    if os.path.isdir(path):
-        return
-    _makedirs(os.path.dirname(path), uid)
-    os.mkdir(path, 0o755)
-    os.chown(path, uid, uid)
-
-
-def _apply_overlay(files, uid):
-    for rel, content in sorted(files.items()):
-        path = os.path.join(TREE, rel)
-        if content is None:
-            if os.path.lexists(path) and not os.path.isdir(path):
-                os.unlink(path)
-            continue
-        _makedirs(os.path.dirname(path), uid)
-        if os.path.lexists(path):
-            os.unlink(path)
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
-        try:
-            os.write(fd, base64.b64decode(content))
-        finally:
-            os.close(fd)
-        os.chown(path, uid, uid)
-
-
-def _index(top):
-    """rel path -> (kind, size, mtime_ns, inode) for every entry below `top`."""
-    out = {}
-    for dirpath, dirnames, filenames in os.walk(top):
-        dirnames[:] = sorted(d for d in dirnames if d not in _SKIP_DIRS)
-        for name in filenames:
-            path = os.path.join(dirpath, name)
-            try:
-                st = os.lstat(path)
-            except OSError:
-                continue
-            kind = "file" if stat.S_ISREG(st.st_mode) else "other"
-            out[os.path.relpath(path, top)] = (kind, st.st_size, st.st_mtime_ns, st.st_ino)
-    return out
-
-
-def _changes(before, max_file, max_total):
-    """Files the command created, changed or deleted: (changes, ignored paths)."""
-    after = _index(TREE)
-    changes, ignored, total = {}, [], 0
-    for rel in sorted(set(before) | set(after)):
-        old, new = before.get(rel), after.get(rel)
-        if old == new:
-            continue
-        if new is None:
-            changes[rel] = None
-            continue
-        if rel.endswith((".pyc", ".pyo")):
-            continue
-        if new[0] != "file" or new[1] > max_file or total + new[1] > max_total:
-            ignored.append(rel)
-            continue
-        try:
-            fd = os.open(os.path.join(TREE, rel), os.O_RDONLY | os.O_NOFOLLOW)
-        except OSError:
-            ignored.append(rel)
-            continue
-        try:
-            data = b""
-            while len(data) <= max_file:
-                chunk = os.read(fd, 1 << 20)
-                if not chunk:
-                    break
-                data += chunk
-        finally:
-            os.close(fd)
-        total += len(data)
-        changes[rel] = base64.b64encode(data).decode()
-    return changes, ignored
 
 
 def _read_output(path, keep):
@@ -261,20 +172,26 @@ def _read_output(path, keep):
     return f"{head}\n[... {size - keep} bytes of output left out ...]\n{tail}", size
 
 
-def _read_report(path, max_bytes):
+def _read_report(dir_fd, max_bytes):
+    """The plugin's records from `report.jsonl` in the report folder open at `dir_fd`."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+        data = jail_fs.read_file_beneath(dir_fd, "report.jsonl", max_bytes)
     except OSError:
         return None
-    with os.fdopen(fd, "rb") as f:
-        data = f.read(max_bytes)
     records = []
-    for line in data.decode("utf-8", "replace").splitlines():
+    for line in data[:max_bytes].decode("utf-8", "replace").splitlines():
         try:
             records.append(json.loads(line))
         except ValueError:
             continue
     return records
+
+
+def _read_private_lines(path, max_bytes):
+    """Lines of a root-only file outside the command's root (the harness report)."""
+    with open(path, "rb") as f:
+        data = f.read(max_bytes)
+    return data.decode("utf-8", "replace").splitlines()
 
 
 def _cgroup_dirs():
@@ -340,19 +257,28 @@ def _remove_stale_cgroups(parent):
             pass
 
 
-def _start(request, uid, out_fd, cgroups=()):
-    """Forks the command as `uid` with its limits; returns its pid."""
+def _start(request, uid, out_fd, cgroups=(), stdin_fd=None, pass_fd=None):
+    """Forks the command as `uid` with its limits; returns its pid.
+
+    `stdin_fd` becomes the command's stdin (default /dev/null); `pass_fd` is (fd, number): a
+    descriptor the command inherits at that number (the harness's report file).
+    """
     limits = request["limits"]
     env = dict(request["env"])
     pid = os.fork()
     if pid != 0:
         return pid
     try:
-        null = os.open(os.devnull, os.O_RDONLY)
-        os.dup2(null, 0)
+        os.dup2(os.open(os.devnull, os.O_RDONLY) if stdin_fd is None else stdin_fd, 0)
         os.dup2(out_fd, 1)
         os.dup2(out_fd, 2)
-        os.closerange(3, 65536)
+        if pass_fd is None:
+            os.closerange(3, 65536)
+        else:
+            fd, number = pass_fd
+            os.dup2(fd, number)  # Inheritable: dup2 clears FD_CLOEXEC.
+            os.closerange(3, number)
+            os.closerange(number + 1, 65536)
         os.setsid()
         for folder in cgroups:
             try:
@@ -446,6 +372,7 @@ def main():
     request = json.loads(sys.stdin.buffer.read())
     limits = request["limits"]
     uid = int(request["uid"])
+    harness = request.get("harness")
     response = {"error": None}
     try:
         base_fd = os.open(request["base"], os.O_RDONLY | os.O_DIRECTORY)
@@ -453,18 +380,37 @@ def main():
         opened = _open_host_paths(dict.fromkeys(paths))
         _mount_tmpfs(_TMPFS, limits["tmpfs_bytes"], mode="0755")
         _loopback_up()
-        _build_root(opened, request.get("plugin"))
-        _copy_tree(base_fd, TREE, uid)
+        _build_root(opened, request.get("plugin"), harness)
+        os.mkdir(TREE, 0o755)
+        os.chown(TREE, uid, uid)
+        # From here on the tree is reached only through this descriptor (see jail_fs): the
+        # command can rename the tree's path, or put a symlink there.
+        tree_fd = os.open(TREE, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+        jail_fs.copy_tree(base_fd, tree_fd, uid)
         os.close(base_fd)
-        _apply_overlay(request["files"], uid)
+        refused = jail_fs.apply_overlay(tree_fd, request["files"], uid)
         os.mkdir(_PRIVATE, 0o700)
         home = NEW_ROOT + "/tmp/home"
         os.mkdir(home, 0o700)
         os.chown(home, uid, uid)
+        report_dir_fd = None
         if request.get("plugin"):
             os.mkdir(NEW_ROOT + _REPORT_IN_ROOT, 0o700)
             os.chown(NEW_ROOT + _REPORT_IN_ROOT, uid, uid)
-        before = _index(TREE) if request.get("capture") else {}
+            report_dir_fd = os.open(
+                NEW_ROOT + _REPORT_IN_ROOT, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW
+            )
+        stdin_fd = pass_fd = harness_path = None
+        if harness:
+            # The report goes to a root-only file outside the command's root, reachable only
+            # through the descriptor the harness inherits; the key comes on stdin.
+            harness_path = os.path.join(_PRIVATE, "harness.jsonl")
+            report_fd = os.open(harness_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+            pass_fd = (report_fd, int(harness["report_fd"]))
+            stdin_fd, key_w = os.pipe()
+            os.write(key_w, harness["key"].encode() + b"\n")
+            os.close(key_w)
+        before = jail_fs.index(tree_fd) if request.get("capture") else {}
         out_path = os.path.join(_PRIVATE, "output")
         out_fd = os.open(out_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     except Exception as e:  # noqa: BLE001 - the host reports it.
@@ -474,8 +420,11 @@ def main():
         os._exit(1)
 
     cgroups = _make_cgroups(f"bpo-jail-{uid}", limits)
-    pid = _start(request, uid, out_fd, cgroups)
+    pid = _start(request, uid, out_fd, cgroups, stdin_fd, pass_fd)
     os.close(out_fd)
+    if pass_fd is not None:
+        os.close(pass_fd[0])
+        os.close(stdin_fd)
     status, timed_out, elapsed = _wait(pid, float(limits["timeout_s"]))
     for folder in cgroups:
         try:
@@ -492,13 +441,17 @@ def main():
         output=output,
         output_bytes=output_bytes,
         cgroups=sorted(f.split("/")[4] for f in cgroups),
+        refused=refused,
     )
     if request.get("capture"):
-        changes, ignored = _changes(before, limits["capture_file_bytes"], limits["capture_bytes"])
-        response.update(changes=changes, ignored=ignored)
-    if request.get("plugin"):
-        report = os.path.join(NEW_ROOT + _REPORT_IN_ROOT, "report.jsonl")
-        response["report"] = _read_report(report, limits["capture_bytes"])
+        found, ignored = jail_fs.changes(
+            tree_fd, before, limits["capture_file_bytes"], limits["capture_bytes"]
+        )
+        response.update(changes=found, ignored=ignored)
+    if report_dir_fd is not None:
+        response["report"] = _read_report(report_dir_fd, limits["capture_bytes"])
+    if harness_path is not None:
+        response["harness_report"] = _read_private_lines(harness_path, limits["capture_bytes"])
     sys.stdout.write(json.dumps(response))
     sys.stdout.flush()
     os._exit(0)

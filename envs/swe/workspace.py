@@ -109,10 +109,10 @@ class Workspace:
         prefix = rel + "/"
         return any(path.startswith(prefix) for path in self.all_files())
 
-    def all_files(self) -> list[str]:
-        """Every file of the working copy, sorted."""
+    def all_files(self, at_start: bool = False) -> list[str]:
+        """Every file of the working copy (or, `at_start`, of the episode's start), sorted."""
         current = set(self._base_files)
-        for path, content in self.files.items():
+        for path, content in (self.start if at_start else self.files).items():
             if content is None:
                 current.discard(path)
             else:

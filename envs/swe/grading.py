@@ -1,0 +1,158 @@
+"""What a submission is graded on, and which test results the grader believes.
+
+SWE-bench grades a fresh container: the repository at its base commit, the model's patch, then
+the task's test files reset and `test_patch` applied. Here the grading tree is built the same
+way, but narrower on purpose: from the episode's starting tree (the pristine tree plus the
+injected bug) it takes only the agent's changes to the library's source (`library_source`),
+and test files, conftest files, the test runner's configuration and anything Python or pytest
+loads by name from a folder (`sitecustomize.py`, `usercustomize.py`, `*.pth`, byte code,
+extension modules) always come from the pristine tree. The tests then run under the grading
+harness (`harness.py`, via `envs.swe.jail.run_harness`) in a fresh jail, and a test counts as
+passed only when the harness's signed, complete report says so (`graded_outcomes`).
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import importlib.machinery
+
+from envs.swe.data import SweTask
+from envs.swe.jail import JailResult
+from envs.swe.patching import PatchError, apply_patch, patched_paths
+from envs.swe.results import TestOutcomes
+from envs.swe.workspace import PathError, Workspace
+
+__all__ = [
+    "RUNNER_FILES",
+    "describe_refused",
+    "graded_files",
+    "graded_outcomes",
+    "is_test_path",
+    "library_source",
+]
+
+# Configuration that pytest (or Python itself) reads from the tree. pyproject.toml and setup.cfg
+# are kept whole: a bug fix has no reason to edit packaging metadata, and both can hold pytest's
+# options ([tool.pytest.ini_options], [tool:pytest]).
+RUNNER_FILES = frozenset({
+    "pytest.ini", ".pytest.ini", "pyproject.toml", "setup.cfg", "tox.ini", "conftest.py",
+    "sitecustomize.py", "usercustomize.py",
+})  # fmt: skip
+_TEST_FOLDERS = frozenset({"tests", "test", "testing"})
+_TEST_NAMES = ("test_*.py", "*_test.py")
+_LOADED_BY_NAME = (".pth", ".pyc", ".pyo", *importlib.machinery.EXTENSION_SUFFIXES)
+_MISSING = object()
+
+
+def is_test_path(rel: str) -> bool:
+    """A test file, a file in a test folder, or test-runner configuration (by path alone)."""
+    parts = rel.split("/")
+    name = parts[-1]
+    if name in RUNNER_FILES or any(p in _TEST_FOLDERS for p in parts[:-1]):
+        return True
+    return any(fnmatch.fnmatchcase(name, pattern) for pattern in _TEST_NAMES)
+
+
+def library_source(
+    rel: str,
+    pristine: frozenset[str] | set[str],
+    protected: set[str],
+    roots: frozenset[str] | set[str] = frozenset({""}),
+) -> bool:
+    """Whether an agent's change to `rel` is taken into the grading tree.
+
+    Taken: a change to a file of the pristine tree that is not a test, conftest or runner
+    configuration, and a new file inside a package folder of the pristine tree (one with an
+    `__init__.py`), unless that folder is one of the `roots` on sys.path ("" is the tree's
+    root), where a new module could shadow any other by name. Never: anything Python or
+    pytest loads by its name or suffix.
+    """
+    parts = rel.split("/")
+    if rel in protected or is_test_path(rel) or "__pycache__" in parts:
+        return False
+    if parts[-1].endswith(_LOADED_BY_NAME):
+        return False
+    if rel in pristine:
+        return True
+    folder = "/".join(parts[:-1])
+    return folder not in roots and f"{folder}/__init__.py" in pristine
+
+
+def graded_files(
+    task: SweTask, ws: Workspace
+) -> tuple[dict[str, bytes | None], list[str], list[str]]:
+    """(overlay to grade, relative to the base tree; the agent's changes taken; those left out).
+
+    Raises:
+        RuntimeError: If the task's test_patch does not apply to the pristine test files.
+    """
+    protected = set(task.test_files())
+    if task.test_patch:
+        protected.update(patched_paths(task.test_patch))
+    pristine = set(ws.all_files(at_start=True))
+    roots = {"" if p in ("", ".") else p.strip("/") for p in task.pythonpath} | {""}
+    files = {p: c for p, c in ws.start.items() if p not in protected and not is_test_path(p)}
+    taken, refused = [], []
+    for rel in sorted(set(ws.files) | set(ws.start)):
+        now, start = ws.files.get(rel, _MISSING), ws.start.get(rel, _MISSING)
+        if now is start or now == start:
+            continue
+        if not library_source(rel, pristine, protected, roots):
+            refused.append(rel)
+            continue
+        taken.append(rel)
+        if now is _MISSING:
+            files.pop(rel, None)  # Back to the base tree's version.
+        else:
+            files[rel] = now
+    if task.test_patch:
+        base = Workspace(ws.base)
+        try:
+            patched = apply_patch(lambda p: _read_or_none(base, p), task.test_patch)
+        except PatchError as e:
+            raise RuntimeError(f"Task {task.task_id}: its test_patch does not apply: {e}") from e
+        files.update({p: None if t is None else t.encode() for p, t in patched.items()})
+    return files, taken, refused
+
+
+def graded_outcomes(result: JailResult) -> tuple[TestOutcomes, str | None]:
+    """The outcomes to grade by, and why none can be trusted (None when they can).
+
+    With a problem the outcomes are empty: every expected test then counts as not passed.
+    """
+    if result.error:
+        return TestOutcomes(()), f"the grading run could not start: {result.error}"
+    end = result.harness_end
+    if end is None:
+        why = "timed out" if result.timed_out else f"exit status {result.exit_code}"
+        return TestOutcomes(()), (
+            f"the test harness did not finish its report ({why}); no test counts as passed"
+        )
+    if end.get("changed"):
+        return TestOutcomes(()), (
+            "the code under test changed the test harness or builtins ("
+            + ", ".join(map(str, end["changed"][:5]))
+            + "); no test counts as passed"
+        )
+    if end.get("late_plugins"):
+        return TestOutcomes(()), (
+            "a pytest plugin was registered by the code under test ("
+            + ", ".join(map(str, end["late_plugins"][:5]))
+            + "); no test counts as passed"
+        )
+    return TestOutcomes(result.report), None
+
+
+def _read_or_none(ws: Workspace, rel: str) -> str | None:
+    try:
+        return ws.read_text(rel)
+    except PathError:
+        return None
+
+
+def describe_refused(refused: list[str]) -> str | None:
+    """A line for the grading report about changes that were not graded."""
+    if not refused:
+        return None
+    shown = ", ".join(refused[:8]) + (" ..." if len(refused) > 8 else "")
+    return f"Not graded (tests, test configuration or files outside the library): {shown}"

@@ -1,0 +1,232 @@
+"""The grading harness: runs pytest in a jail and reports each outcome it saw, signed.
+
+    python -P -s -B /.bpo_harness/harness.py --report-fd N [--path DIR]... [--agent-file F]...
+        -- PYTEST_ARGS
+
+`envs.swe.jail.run_harness` starts it (stdlib and pytest only). Why each piece:
+
+- `-P -s` and no PYTHONPATH: neither the working folder nor anything the agent wrote is on
+  `sys.path` while the interpreter, pytest, its plugins and this harness are imported. The
+  repository's folders (`--path`) are put first on `sys.path` only after that, as the tests need.
+- The report plugin is an object handed to `pytest.main(plugins=[...])`, never a module looked up
+  by name, so no file can shadow it.
+- Records go to descriptor N: a root-only file outside the jail's root (no path inside the jail
+  leads to it). Each line is `HMAC-SHA256(key, json) json`; the key comes on stdin, which is
+  then closed. Lines without a valid MAC (anything the code under test writes there without the
+  key) are dropped by the reader, and the last line must be this harness's end record, which
+  counts the records before it: a run that exits early (`os._exit` at import) or whose channel
+  was written into has no valid end, and then no test counts as passed.
+- The end record says whether the run stayed intact: before any repository code is imported the
+  harness keeps a reference to every entry of `builtins` and to every function and class (and
+  their methods) of pytest, pluggy, this harness, json, hashlib, os and io; after the session it
+  checks that each is still the same object (a patched `builtins.len`, a replaced
+  `_pytest.runner.call_and_report`, ...), and that every plugin registered after the session
+  started is pytest's own or a conftest module (conftest files come from the pristine tree).
+- An xfailed outcome counts (as in SWE-bench) only where the test has an `xfail` marker, or an
+  imperative `pytest.xfail()` was raised with no frame in a file the agent changed.
+
+What this cannot stop: code under test runs in this process and could, deliberately, read the
+key out of this process's memory. See the repository-repair section of the README.
+"""
+
+import sys
+
+if not sys.flags.safe_path:
+    sys.stderr.write("harness: start it with `python -P` (Python 3.11 or later).\n")
+    sys.exit(2)
+
+import importlib  # noqa: E402
+import json  # noqa: E402
+import os  # noqa: E402
+from _hashlib import hmac_digest  # noqa: E402
+
+_TRACKED = ("builtins", "_pytest", "pytest", "pluggy", "__main__", "json", "_json", "hashlib",
+            "_hashlib", "hmac", "os", "posix", "io", "_io")  # fmt: skip
+# Names whose rebinding changes no behaviour: `_` (sys.displayhook sets it, in doctests) and
+# module metadata (six's tests, for one, reload modules, which rebinds `builtins.__spec__`).
+_IGNORED = frozenset({"_", "__spec__", "__loader__", "__doc__", "__name__", "__package__"})
+_write = os.write
+_encode = json.JSONEncoder(ensure_ascii=True, sort_keys=True).encode
+_MISSING = object()
+
+
+def _parse(argv):
+    options = {"--report-fd": [], "--path": [], "--agent-file": []}
+    i = 0
+    while i < len(argv) and argv[i] != "--":
+        if argv[i] not in options or i + 1 >= len(argv):
+            raise SystemExit(f"harness: bad argument {argv[i]!r}")
+        options[argv[i]].append(argv[i + 1])
+        i += 2
+    return int(options["--report-fd"][0]), options["--path"], options["--agent-file"], argv[i + 1 :]
+
+
+def _make_emit(fd, key):
+    count = [0]
+
+    def emit(record):
+        record = dict(record, seq=count[0])
+        text = _encode(record).encode()
+        line = hmac_digest(key, text, "sha256").hex().encode() + b" " + text + b"\n"
+        count[0] += 1
+        while line:
+            line = line[_write(fd, line) :]
+
+    def emitted():
+        return count[0]
+
+    return emit, emitted
+
+
+def _is_method(value):
+    return callable(value) or isinstance(value, (staticmethod, classmethod, property))
+
+
+def _snapshot():
+    """(module, {name: object}, {class name: {attr: object}}) for every tracked module."""
+    snap = []
+    for name, module in list(sys.modules.items()):
+        if module is None or name.split(".")[0] not in _TRACKED:
+            continue
+        names = vars(module)
+        if name == "builtins":
+            entries = dict(names)
+        else:
+            entries = {k: v for k, v in names.items() if callable(v)}
+        classes = {
+            k: {a: v for a, v in vars(c).items() if _is_method(v)}
+            for k, c in entries.items()
+            if isinstance(c, type) and getattr(c, "__module__", None) == name
+        }
+        snap.append((name, module, entries, classes))
+    return snap
+
+
+def _tampered(snap):
+    """What differs from the snapshot: a list of 'module.name' strings."""
+    changed = []
+    for name, module, entries, classes in snap:
+        if sys.modules.get(name) is not module:
+            changed.append(f"sys.modules[{name!r}]")
+            continue
+        names = vars(module)
+        for attr, value in entries.items():
+            if attr not in _IGNORED and names.get(attr, _MISSING) is not value:
+                changed.append(f"{name}.{attr}")
+        if name == "builtins":
+            changed += [f"builtins.{a} (added)" for a in names.keys() - entries.keys()
+                        if a not in _IGNORED]  # fmt: skip
+        for cls_name, methods in classes.items():
+            now = vars(entries[cls_name])
+            changed += [f"{name}.{cls_name}.{a}" for a, v in methods.items()
+                        if now.get(a, _MISSING) is not v]  # fmt: skip
+    return changed
+
+
+class _Reporter:
+    """The report plugin (an object, registered by `pytest.main(plugins=[...])`)."""
+
+    def __init__(self, emit, agent_files):
+        self._emit = emit
+        self._agent_files = frozenset(agent_files)
+        self._start_plugins = set()
+        self.late_plugins = []
+
+    def pytest_sessionstart(self, session):
+        self._pm = session.config.pluginmanager
+        self._start_plugins = {id(p) for p in self._pm.get_plugins()}
+
+    def pytest_sessionfinish(self, session):
+        for plugin in self._pm.get_plugins():
+            if id(plugin) in self._start_plugins:
+                continue
+            path = getattr(plugin, "__file__", None) or ""
+            if type(plugin).__module__.split(".")[0] in ("_pytest", "pytest"):
+                continue  # pytest's own (its fixture manager registers at session start).
+            if os.path.basename(path) != "conftest.py" or path in self._agent_files:
+                self.late_plugins.append(getattr(plugin, "__name__", type(plugin).__name__))
+
+    def pytest_runtest_makereport(self, item, call):
+        # Outermost wrapper (see main): it sees the report as every other plugin left it.
+        report = yield
+        outcome = report.outcome
+        message = ""
+        if hasattr(report, "wasxfail"):
+            outcome = "xfailed" if report.skipped else "xpassed"
+            if outcome == "xfailed" and item.get_closest_marker("xfail") is None:
+                blamed = self._agent_frame(call)
+                if blamed:
+                    outcome = "failed"
+                    message = f"pytest.xfail() raised from {blamed}, a file the agent changed"
+        if outcome in ("failed", "skipped") and not message:
+            message = _message(report)
+        record = {"nodeid": report.nodeid, "when": report.when, "outcome": outcome}
+        if message:
+            record["message"] = message
+        self._emit(record)
+        return report
+
+    def _agent_frame(self, call):
+        excinfo = getattr(call, "excinfo", None)
+        tb = excinfo.tb if excinfo is not None else None
+        while tb is not None:
+            filename = tb.tb_frame.f_code.co_filename
+            if filename in self._agent_files:
+                return filename
+            tb = tb.tb_next
+        return None
+
+    def pytest_collectreport(self, report):
+        if report.failed:
+            self._emit({"nodeid": report.nodeid, "when": "collect", "outcome": "failed",
+                        "message": _message(report)})  # fmt: skip
+
+
+def _message(report):
+    longrepr = getattr(report, "longrepr", None)
+    if longrepr is None:
+        return ""
+    crash = getattr(longrepr, "reprcrash", None)
+    if crash is not None and getattr(crash, "message", None):
+        return str(crash.message)[:2000]
+    if isinstance(longrepr, tuple) and len(longrepr) == 3:  # A skip: (path, line, reason).
+        return str(longrepr[2])[:2000]
+    return str(longrepr)[-2000:]
+
+
+def main(argv):
+    fd, paths, agent_files, pytest_args = _parse(argv)
+    key = sys.stdin.buffer.readline().strip()
+    null = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(null, 0)
+    os.close(null)
+    emit, emitted = _make_emit(fd, key)
+    del key
+    import pytest
+    from _pytest.config import default_plugins
+
+    for name in default_plugins:  # What pytest.main imports anyway, but before any repo code.
+        try:
+            importlib.import_module(f"_pytest.{name}")
+        except ImportError:
+            pass
+    # Marked here: the class is defined before pytest is imported.
+    pytest.hookimpl(wrapper=True, tryfirst=True)(_Reporter.pytest_runtest_makereport)
+    reporter = _Reporter(emit, agent_files)
+    snap = _snapshot()
+    sys.path[0:0] = paths
+    try:
+        status = int(pytest.main(pytest_args, plugins=[reporter]))
+    except BaseException as e:  # noqa: BLE001 - reported as an incomplete run.
+        status = -1
+        sys.stderr.write(f"harness: pytest raised {type(e).__name__}: {e}\n")
+    changed = _tampered(snap)
+    emit({"when": "end", "exitstatus": status, "records": emitted(),
+          "changed": changed[:20], "late_plugins": reporter.late_plugins[:20]})  # fmt: skip
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

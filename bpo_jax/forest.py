@@ -13,7 +13,7 @@ import dataclasses
 
 import numpy as np
 
-from bpo_jax.estimators import Forest, segment_weights
+from bpo_jax.estimators import Forest, segment_weights, trajectory_weights
 
 STEP_WEIGHTINGS = ("trajectory", "path_mass", "uniform")
 
@@ -210,12 +210,9 @@ class RolloutForest:
         elif mode == "path_mass":
             per_seg = a.segment_mass()
         else:
-            w = a.segment_mass()
-            per_seg = np.zeros((a.num_segments,), np.float64)
-            for leaf in self.leaves:
-                length = sum(len(self.segments[s].steps) for s in leaf.segments)
-                for s in leaf.segments:
-                    per_seg[s] += w[leaf.segments[-1]] / max(length, 1)
+            f = a.forest
+            w = trajectory_weights(f.seg_parent, f.seg_child, a.seg_len, f.num_nodes)
+            per_seg = a.unpad_segments(w).astype(np.float64)
         return a.segments_to_steps(per_seg)
 
 

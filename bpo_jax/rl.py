@@ -20,8 +20,7 @@ import numpy as np
 from bpo_jax import learner
 from bpo_jax.branching import CostModel, LengthModel, make_selector
 from bpo_jax.config import ExperimentConfig
-from bpo_jax.critic import gae
-from bpo_jax.estimators import step_advantages
+from bpo_jax.estimators import gae, step_advantages
 from bpo_jax.forest import ForestArrays, RolloutForest
 from bpo_jax.learner import Example
 from bpo_jax.rollout import TreeSpec, play_forest, prompt_encoder

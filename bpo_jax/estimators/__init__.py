@@ -31,9 +31,11 @@ The modules, one role each:
 - `structure`: the traced building blocks (index arrays, bottom-up and top-down level sweeps).
 - `registry`: the `Forest` pytree, the estimator registry and `step_advantages`.
 - `step_level`: the TreeRL and GiGPO estimators.
+- `gae`: PPO's turn-level GAE (needs the critic's values).
 - `validation`: host-side checks (`validate_forest`).
 """
 
+from bpo_jax.estimators.gae import gae, gae_advantages  # registers "gae"
 from bpo_jax.estimators.kernels import (
     DEFAULT_EPS,
     METHODS,
@@ -65,6 +67,8 @@ __all__ = [
     "estimator_names",
     "expand_to_steps",
     "expand_to_tokens",
+    "gae",
+    "gae_advantages",
     "get_estimator",
     "gigpo",
     "path_lengths",

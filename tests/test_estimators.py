@@ -450,3 +450,30 @@ def test_random_forests_match_the_numpy_oracle(seed, k, depth, interleave):
         ref.gigpo(*args, *steps, step_weight=0.7),
         **TOL,
     )
+
+
+def test_gae_by_hand():
+    # Trajectory 0: rewards 0, 1 with V 0.5, 0.8; trajectory 1: reward 0 with V 0.2; padding.
+    seg = np.array([0, 0, 1, -1], np.int32)
+    rewards = np.array([0.0, 1.0, 0.0, 0.0], np.float32)
+    values = np.array([0.5, 0.8, 0.2, 0.0], np.float32)
+    adv, ret = est.gae(seg, rewards, values, 0.9, 0.5)
+    # delta_1 = 1 - 0.8 (the last step bootstraps from 0); delta_0 = 0.9 * 0.8 - 0.5;
+    # A_0 = delta_0 + 0.9 * 0.5 * A_1.
+    np.testing.assert_allclose(adv, [0.22 + 0.45 * 0.2, 0.2, -0.2, 0.0], **TOL)
+    np.testing.assert_allclose(ret, [0.81, 1.0, 0.0, 0.0], **TOL)
+    forest = est.Forest(
+        seg_parent=np.array([0, 0, -1]),
+        seg_child=np.array([-1, -1, -1]),
+        seg_reward=np.array([1.0, 0.0, 0.0]),
+        num_nodes=1,
+        step_segment=seg,
+        step_reward=rewards,
+    )
+    a = np.array([0.31, 0.2, -0.2])
+    want = (a - a.mean()) / (a.std() + 1e-6)
+    got = est.step_advantages(forest, "gae", values=values, gamma=0.9, lam=0.5, eps=1e-6)
+    np.testing.assert_allclose(got, [*want, 0.0], **TOL)
+    tree = est.Forest(**NESTED, step_segment=np.array([6, 0, -1, 4]), step_reward=np.zeros(4))
+    with pytest.raises(ValueError, match="gae runs on independent trajectories"):
+        est.step_advantages(tree, "gae", values=np.zeros(4), gamma=1.0, lam=1.0)

@@ -18,10 +18,10 @@ Rules, chosen by name (`make_selector`):
   posthoc_topk  roll each backbone to the end, then branch at its `branch_budget` highest-entropy
                 steps (biased; needs a snapshot of every backbone step).
 
-The budget (matched compute) is per task, in generated tokens or environment steps. A branch is
-accepted only if what the task has spent, plus the expected remaining cost of its live paths,
-plus the expected cost of the K - 1 new children, stays within the budget. Expected remaining
-costs come from `LengthModel`, the lengths of recently finished paths.
+The budget (matched compute) is per task, in generated tokens or environment steps; how a tree
+spends it is the branch planner's (`bpo_jax.planner`). Expected remaining costs come from
+`LengthModel`, the lengths of recently finished paths; the budget's reference, the cost of an
+independent episode, from `CostModel.episodes`.
 """
 
 from __future__ import annotations
@@ -35,6 +35,7 @@ import numpy as np
 SELECTORS: dict[str, Callable[..., BranchSelector]] = {}
 ENTROPY_REDUCE = ("first", "mean", "max")
 BUDGET_UNITS = ("tokens", "env_steps")
+BUDGET_MODES = ("target", "cap")
 
 
 def register_selector(name: str):
@@ -78,6 +79,17 @@ class BranchSelector:
     def state_dict(self) -> dict:
         return {}
 
+    def adjust_rate(self, spend_ratio: float, gain: float) -> None:
+        """Branch more often after a batch that spent less than its budget (ratio < 1), less
+        often after one that spent more. Rules without a rate (interval, post-hoc) ignore it."""
+
+    def rate(self) -> float | None:
+        """The rule's adaptable rate (a quantile or a probability), None if it has none."""
+        return None
+
+    def set_rate(self, value: float) -> None:
+        pass
+
 
 @register_selector("entropy")
 class EntropySelector(BranchSelector):
@@ -104,7 +116,17 @@ class EntropySelector(BranchSelector):
         return np.where(entropies >= self.threshold, entropies, np.nan)
 
     def state_dict(self) -> dict:
-        return {"threshold": self.threshold}
+        return {"threshold": self.threshold, "quantile": self.quantile}
+
+    def adjust_rate(self, spend_ratio: float, gain: float) -> None:
+        # Under-spent -> a lower quantile -> more steps at or above the threshold.
+        self.quantile = float(np.clip(self.quantile + gain * (spend_ratio - 1.0), 0.0, 1.0))
+
+    def rate(self) -> float:
+        return self.quantile
+
+    def set_rate(self, value: float) -> None:
+        self.quantile = float(value)
 
 
 @register_selector("uniform")
@@ -120,6 +142,15 @@ class UniformSelector(BranchSelector):
     def scores(self, entropies: np.ndarray, steps: np.ndarray) -> np.ndarray:
         u = self.rng.random(len(steps))
         return np.where(u < self.prob, u, np.nan)
+
+    def adjust_rate(self, spend_ratio: float, gain: float) -> None:
+        self.prob = float(np.clip(self.prob - gain * (spend_ratio - 1.0), 0.0, 1.0))
+
+    def rate(self) -> float:
+        return self.prob
+
+    def set_rate(self, value: float) -> None:
+        self.prob = float(value)
 
 
 @register_selector("interval")
@@ -191,12 +222,23 @@ class LengthModel:
 
 @dataclasses.dataclass
 class CostModel:
-    """Turns expected steps into the budget's unit (tokens use a running tokens-per-action)."""
+    """Turns expected steps into the budget's unit (tokens use a running tokens-per-action),
+    and keeps the measured cost of recent independent episodes (the budget's reference)."""
 
     unit: str
     tokens_per_action: float = 8.0  # Prior, until actions have been recorded.
     actions: int = 0
     tokens: int = 0
+    episodes: collections.deque = dataclasses.field(
+        default_factory=lambda: collections.deque(maxlen=512)
+    )
+
+    def record_episode(self, cost: float) -> None:
+        """The cost of one whole on-policy episode from a task's reset (a backbone's path)."""
+        self.episodes.append(float(cost))
+
+    def mean_episode(self) -> float | None:
+        return float(np.mean(self.episodes)) if self.episodes else None
 
     def __post_init__(self):
         if self.unit not in BUDGET_UNITS:

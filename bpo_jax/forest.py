@@ -101,6 +101,7 @@ class RolloutForest:
       node_task: the task of every node (roots first, then branch points in creation order).
       stats: the compute the batch used.
       task_cost: [num_tasks] what each task spent, in the budget's unit.
+      budget: the per-task budget the batch was played under (inf: none).
     """
 
     task_ids: list[str]
@@ -109,6 +110,14 @@ class RolloutForest:
     node_task: list[int]
     stats: ComputeStats
     task_cost: np.ndarray
+    budget: float = float("inf")
+
+    @property
+    def spend_ratio(self) -> np.ndarray:
+        """[num_tasks] spent / budget (empty without a finite budget)."""
+        if not np.isfinite(self.budget) or self.budget <= 0:
+            return np.zeros((0,))
+        return np.asarray(self.task_cost, np.float64) / self.budget
 
     @property
     def num_nodes(self) -> int:

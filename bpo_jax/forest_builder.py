@@ -31,6 +31,10 @@ class LivePath:
       sid: the loop's sandbox id (-1 until it has one).
       episode: the loop's episode text (`bpo_jax.agent.EpisodeText`); children get a copy.
       history: post-hoc branching only: (snapshot handle, episode text) before every step.
+      cost: what the path has spent since the task's reset, in the budget's unit (children
+        inherit their parent's), so a finished path's cost is one whole episode's.
+      is_backbone: started at the root (not a branch child): its path is an independent
+        on-policy episode, the budget's reference.
     """
 
     task: int
@@ -41,6 +45,8 @@ class LivePath:
     sid: int = -1
     episode: Any = None
     history: list[tuple[Any, Any]] = dataclasses.field(default_factory=list)
+    cost: float = 0.0
+    is_backbone: bool = False
 
 
 class ForestBuilder:
@@ -70,6 +76,7 @@ class ForestBuilder:
             task=task,
             backbone=self.num_backbones - 1,
             segments=[self._new_segment(task, task)],
+            is_backbone=True,
             **loop_fields,
         )
 
@@ -99,6 +106,7 @@ class ForestBuilder:
                 episode=copy.deepcopy(path.episode),
                 segments=prefix + [self._new_segment(path.task, node)],
                 history=[],
+                is_backbone=False,
             )
             for _ in range(num_new)
         ]
@@ -156,7 +164,9 @@ class ForestBuilder:
         leaf.segments = path.segments[:-1] + chain
         return out
 
-    def build(self, task_ids: list[str], stats: ComputeStats, task_cost) -> RolloutForest:
+    def build(
+        self, task_ids: list[str], stats: ComputeStats, task_cost, budget: float = float("inf")
+    ) -> RolloutForest:
         if len(task_ids) != self.num_tasks:
             raise ValueError(f"{len(task_ids)} task ids for {self.num_tasks} tasks.")
         return RolloutForest(
@@ -166,4 +176,5 @@ class ForestBuilder:
             node_task=self.node_task,
             stats=stats,
             task_cost=np.asarray(task_cost, np.float64),
+            budget=float(budget),
         )

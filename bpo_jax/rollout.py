@@ -31,7 +31,14 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 from bpo_jax.agent import EpisodeText, encode_prompt, parse_action
-from bpo_jax.branching import BUDGET_UNITS, BranchSelector, CostModel, LengthModel, action_entropy
+from bpo_jax.branching import (
+    BUDGET_MODES,
+    BUDGET_UNITS,
+    BranchSelector,
+    CostModel,
+    LengthModel,
+    action_entropy,
+)
 from bpo_jax.forest import ComputeStats, RolloutForest, StepRecord, Trajectory
 from bpo_jax.forest_builder import ForestBuilder, LivePath
 from bpo_jax.planner import BranchPlanner
@@ -63,6 +70,8 @@ class TreeSpec:
       budget: per-task compute budget in `budget_unit` (inf = unlimited); branching stops when
         the expected cost of a new branch no longer fits.
       budget_unit: "tokens" (generated) or "env_steps".
+      budget_mode: "target" (spend it: randomised acceptance of a branch that only partly
+        fits) or "cap" (never accept one that does not fit); see `bpo_jax.planner`.
       entropy_reduce: how an action's per-token entropies become one number.
     """
 
@@ -72,6 +81,7 @@ class TreeSpec:
     max_depth: int = 1
     budget: float = math.inf
     budget_unit: str = "tokens"
+    budget_mode: str = "target"
     entropy_reduce: str = "first"
 
     def __post_init__(self):
@@ -81,6 +91,8 @@ class TreeSpec:
             raise ValueError(f"num_branches must be >= 2 to branch, got {self.num_branches}.")
         if self.budget_unit not in BUDGET_UNITS:
             raise ValueError(f"budget_unit must be one of {BUDGET_UNITS}, got {self.budget_unit}.")
+        if self.budget_mode not in BUDGET_MODES:
+            raise ValueError(f"budget_mode must be one of {BUDGET_MODES}, got {self.budget_mode}.")
 
     @property
     def branches(self) -> bool:
@@ -217,7 +229,7 @@ class _Lockstep:
     def _finish(self, p: LivePath, info: dict) -> None:
         self.builder.finish(p, info)
         self.pool.close_sandbox(p.sid)
-        self.planner.lengths.add(p.t)
+        self.planner.finished(p)
         if p.history:
             self.finished_backbones.append(p)
         if self.bar is not None:
@@ -265,12 +277,15 @@ def play_forest(
     """
     if spec.branches and (selector is None or lengths is None):
         raise ValueError("A branching TreeSpec needs a branch selector and a LengthModel.")
+    import jax  # Local: keeps this module importable without initialising JAX.
+
     planner = BranchPlanner(
         spec,
         selector,
         lengths or LengthModel(max_steps=1),
         costs or CostModel(spec.budget_unit),
         len(tasks),
+        seed=int(jax.random.randint(jax.random.fold_in(rng, 2**20), (), 0, 2**31 - 1)),
     )
     loop = _Lockstep(pool, policy, encode, tasks, spec, planner, rng, greedy, progress_bar)
     try:
@@ -281,7 +296,8 @@ def play_forest(
             loop.run()
     finally:
         loop.release_all()
-    return loop.builder.build([t.task_id for t in loop.tasks], loop.stats, planner.spent)
+    task_ids = [t.task_id for t in loop.tasks]
+    return loop.builder.build(task_ids, loop.stats, planner.spent, spec.budget)
 
 
 def prompt_encoder(tokenizer, history_turns: int, max_prompt_tokens: int):

@@ -42,14 +42,8 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from envs.base import StepResult, Task
-from envs.sandbox.base import (
-    Call,
-    Sandbox,
-    SandboxError,
-    SandboxFault,
-    SnapshotHandle,
-    make_backend,
-)
+from envs.sandbox.backend import make_backend
+from envs.sandbox.base import Call, Sandbox, SandboxError, SandboxFault, SnapshotHandle
 from envs.sandbox.remote import wait_some
 
 __all__ = ["SandboxPool", "faulted_step_result"]

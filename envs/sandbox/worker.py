@@ -6,8 +6,10 @@ Requests are `(op, args)` frames; replies are one of
 - `("refused", message)`: the request cannot be served here (e.g. an unsupported snapshot); the
   sandbox is fine.
 
-Ops every worker serves: `reset(task)`, `step(action)`, `ping()`; backends add their own (the
-fork server adds `snapshot`). A worker exits when its channel closes (the trainer is gone).
+Ops every worker serves: `reset(task)` and `step(action)` (the env's gymnasium `reset(options=
+{"task": task})` and `step`, reported as `envs.base.step_result` does), and `ping()`; backends
+add their own (the fork server adds `snapshot`). A worker exits when its channel closes (the
+trainer is gone).
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import traceback
 from collections.abc import Callable
 from typing import Any
 
-from envs.base import StepResult
+from envs.base import reset_to, step_result
 from envs.sandbox import wire
 
 __all__ = [
@@ -123,12 +125,10 @@ def serve(
             return
         try:
             if op == "step":
-                result = env.step(*args)
-                value = StepResult(*result) if not isinstance(result, StepResult) else result
                 # Plain tuple on the wire: cheaper, and the trainer rebuilds the StepResult.
-                value = (value.observation, float(value.reward), bool(value.done), value.info)
+                value = tuple(step_result(env, *args))
             elif op == "reset":
-                value = env.reset(*args)
+                value = reset_to(env, *args)
             elif op == "ping":
                 value = os.getpid()
             elif op == "exit":

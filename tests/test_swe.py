@@ -368,6 +368,26 @@ def test_every_walkthrough_resolves_its_task_and_doing_nothing_does_not(tasks, e
     assert result.info["tests"]["fail_to_pass_passed"] < len(tasks[0].fail_to_pass)
 
 
+def test_gymnasium_env_checker_passes(tasks):
+    """check_env on bpo_jax/RepoRepair-v0: reset() without a task draws one of `tasks` with the
+    env's seeded generator; a sampled action (random printable text) is an invalid tool call."""
+    import warnings
+
+    import gymnasium
+    from gymnasium.utils.env_checker import check_env
+
+    env = gymnasium.make("bpo_jax/RepoRepair-v0", max_steps=5, tasks=tasks).unwrapped
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        check_env(env)
+    assert [str(w.message) for w in caught if "WARN" in str(w.message)] == []
+    _, first = env.reset(seed=11)
+    _, again = env.reset(seed=11)
+    assert first["task_id"] == again["task_id"] and first["task_id"] in {t.task_id for t in tasks}
+    *_, info = env.step(env.action_space.sample())
+    assert info["invalid_action"] and info["tool"] is None
+
+
 def test_file_tools(tasks, env):
     env.reset(options={"task": _calc_task(tasks)})
     view = step(env, "view minicalc/calc.py 4-6")

@@ -76,10 +76,23 @@ _SINGLE_THREAD_VARS = ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREA
 
 
 def worker_environ() -> dict[str, str]:
-    """Environment variables for a worker process: ours, with thread pools of one unless set."""
+    """Environment variables for a worker process: ours, with thread pools of one unless set.
+
+    `PYTHONPATH` gets this process's import path, so that a worker imports every module the
+    trainer can (a user's env found through a path the trainer added, e.g. by pytest).
+    """
     environ = dict(os.environ)
     for name in _SINGLE_THREAD_VARS:
         environ.setdefault(name, "1")
+    # The interpreter's own folders (stdlib, site-packages) are on every worker's path already.
+    own = tuple({sys.prefix, sys.base_prefix, sys.exec_prefix})
+    ours = [
+        os.path.abspath(p)
+        for p in sys.path
+        if p and os.path.isdir(p) and not os.path.abspath(p).startswith(own)
+    ]
+    given = [p for p in environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    environ["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(given + ours))
     return environ
 
 

@@ -46,7 +46,7 @@ class SandboxBackend(abc.ABC):
     handle then raises `HandleError` like any released handle).
 
     Args:
-        env_name: Name registered with `envs.base.register_env`.
+        env_name: Short name, gymnasium id or entry point (`envs.base.make_env`).
         env_kwargs: Constructor kwargs of the environment.
         step_timeout_s: Seconds a step may take before the sandbox counts as hung.
         reset_timeout_s: Same for reset (and for starting a sandbox).
@@ -345,7 +345,7 @@ def make_backend(
 
     Args:
         name: "inprocess", "fork", "criu", "replay", or another registered name.
-        env_name: Environment name for `envs.base.make_env`.
+        env_name: Short name, gymnasium id or entry point (`envs.base.make_env`).
         env_kwargs: The environment's constructor kwargs.
         **options: Backend options (timeouts, max_snapshots, snapshot_policy, backend-specific).
 

@@ -225,9 +225,6 @@ class ForkBackend(SandboxBackend):
             self._zygote_proc.send_signal(signal.SIGKILL)
             self._zygote_proc.wait()
 
-    def zygote_pid(self) -> int:
-        return self._zygote_proc.pid
-
     def process_count(self) -> int:
         """Processes below the zygote (workers, frozen copies, their children)."""
         return len(procutil.descendant_pids(self._zygote_proc.pid))

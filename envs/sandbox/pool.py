@@ -62,7 +62,10 @@ class SandboxPool:
     """Many sandboxes of one environment configuration behind integer ids.
 
     Args:
-        env_name: Environment name (`envs.base.make_env`).
+        env_name: The environment, as `envs.base.make_env` names it: a short name ("alfworld"),
+            a gymnasium id ("bpo_jax/ALFWorld-v0", or a user's registered one) or an entry
+            point ("package.module:ClassName") of a gymnasium env over text. Workers import
+            the class's module and its `preload_modules` first (`envs.registry.preload_for`).
         env_kwargs: The environment's constructor kwargs.
         backend: Snapshot backend: "fork" (default), "criu", "inprocess" or "replay".
         num_workers: Most requests in flight at once in the batched calls (default: twice the

@@ -225,9 +225,6 @@ class ShellCounterEnv(TextEnv):
         won = action == "finish"
         return observation, 1.0 if won else 0.0, won, {"won": won, "invalid_action": False}
 
-    def shell_pid(self) -> int | None:
-        return None if self._shell is None else self._shell.pid
-
     def _close(self) -> None:
         self._stop_shell()
 

@@ -15,6 +15,13 @@ The info contract (every `reset` and `step` of a `TextEnv`):
 - `steps` (int): actions taken in the episode so far.
 Environments add their own keys (`goal` at reset, `admissible_commands`, ...).
 
+Tasks: `reset(options={"task": task})` plays `task`, an instance of the env's `Task` subclass;
+`reset()` without one draws a task from the env's default list with its seeded generator (see
+`TextEnv`). An environment lists its tasks with `load_tasks(data_root, split, task_types,
+**options)` on its class (a classmethod, or a module's loader as a staticmethod);
+`load_tasks(name, ...)` below finds the class from any name (`envs.registry`) and calls it, so
+a user's env needs no registration for its tasks.
+
 Snapshots, restores and forks are the sandbox layer's job (`envs.sandbox`); it drives the same
 gymnasium API and reports `done = terminated or truncated` as a `StepResult`.
 
@@ -26,6 +33,7 @@ Example:
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import os
 import pathlib
@@ -165,6 +173,10 @@ class TextEnv(gymnasium.Env):
             )
         self.max_steps = max_steps
         self.invalid_action_penalty = float(invalid_action_penalty)
+        # The class declares the spaces; each env samples from its own copy (gymnasium seeds an
+        # env's spaces separately from other envs').
+        self.observation_space = copy.deepcopy(type(self).observation_space)
+        self.action_space = copy.deepcopy(type(self).action_space)
         self._task: Task | None = None
         self._steps = 0
         self._done = True  # No episode running until reset.

@@ -12,8 +12,9 @@ observations (subclassing `envs.base.TextEnv` gives that and the info contract).
 
 Tasks: an environment's tasks come from its class: `load_tasks(name, data_root, split,
 task_types, **options)` calls `cls.load_tasks(data_root, split, task_types, **options)` (a
-classmethod; `TextEnv` documents it). A gymnasium env without one has no tasks to list here; give
-it a `load_tasks` classmethod, or build the tasks yourself and hand them to the sandbox pool.
+class- or staticmethod; `TextEnv` documents it). A gymnasium env without one has no tasks to
+list here: give it a `load_tasks` classmethod, or build the tasks yourself and hand them to the
+sandbox pool.
 
 `make_env` builds the env itself, unwrapped (gymnasium.make's order and passive checkers are the
 sandbox layer's job here), with the spec's kwargs under the caller's; a spec's

@@ -66,6 +66,10 @@ def test_text_space_holds_any_unicode_text_within_its_length():
     samples = [space.sample() for _ in range(5)]
     assert all(s in space for s in samples) and len(set(samples)) == 5
     assert base.TextEnv.observation_space.max_length == base.OBSERVATION_MAX_CHARS
+    # Each env samples from its own copy, so seeding one env's space leaves the others alone.
+    first, second = TabularEnv(), TabularEnv()
+    assert first.action_space == second.action_space == space
+    assert first.action_space is not second.action_space is not space
 
 
 def test_tabular_env_passes_the_checker():

@@ -68,6 +68,7 @@ class AlfworldEnv(TextEnv):
     """
 
     task_class = AlfworldTask
+    load_tasks = staticmethod(load_tasks)  # (data_root, split, task_types, **options)
     default_split = "valid_unseen"
     preload_modules = ("textworld", "alfworld.agents.environment.alfred_tw_env")
 
@@ -88,11 +89,6 @@ class AlfworldEnv(TextEnv):
         self._game: Any = None  # The wrapped textworld env; None until the first reset.
         self._game_file: str | None = None  # The game file `_game` has loaded.
         self._admissible: list[str] = []
-
-    @classmethod
-    def load_tasks(cls, data_root, split, task_types=None, **options) -> list[AlfworldTask]:
-        """`envs.alfworld.load_tasks`."""
-        return load_tasks(data_root, split, task_types=task_types, **options)
 
     def _start(self, task: AlfworldTask) -> tuple[str, dict[str, Any]]:
         # Resetting the same game again is cheaper than switching games (no reload). Until the

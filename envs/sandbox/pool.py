@@ -7,11 +7,11 @@ flight at a time; as one finishes the next is sent.
 
 Faults: a sandbox whose worker crashes, hangs past its timeout, sends garbage, or whose env
 raises, is killed (with its whole process group or namespace) and closed. In `step_many` its
-result is `StepResult("", 0.0, True, {"truncated": True, "won": False, "error": reason,
-"fault": kind})`, and the rest of the batch is unaffected. Resets are retried once on a fresh
-sandbox after a crash, hang or garbage; if that fails too, `reset_many` closes the sandboxes it
-made and raises `SandboxFault`. `stats()` counts faults by kind and `faults()` lists the recent
-ones.
+result is `StepResult("", 0.0, True, {"truncated": True, "won": False, "invalid_action": False,
+"error": reason, "fault": kind})`, and the rest of the batch is unaffected. Resets are retried
+once on a fresh sandbox after a crash, hang or garbage; if that fails too, `reset_many` closes
+the sandboxes it made and raises `SandboxFault`. `stats()` counts faults by kind and `faults()`
+lists the recent ones.
 
 Bounded memory: `max_snapshots` caps the snapshots held at once; `snapshot_policy="error"`
 raises `SnapshotLimitError` when a new one would exceed it, `"evict_oldest"` releases the oldest
@@ -54,7 +54,14 @@ _RETRIED_KINDS = ("crash", "timeout", "garbage")
 
 def faulted_step_result(fault: SandboxFault) -> StepResult:
     """The step result a faulted sandbox yields: an empty, truncated end of episode."""
-    info = {"truncated": True, "won": False, "error": fault.reason, "fault": fault.kind}
+    # The info contract's keys (envs.base) hold here too: the agent did nothing invalid.
+    info = {
+        "truncated": True,
+        "won": False,
+        "invalid_action": False,
+        "error": fault.reason,
+        "fault": fault.kind,
+    }
     return StepResult("", 0.0, True, info)
 
 

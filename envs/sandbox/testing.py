@@ -408,6 +408,7 @@ def fault_scenario(backend_name: str, **options: Any) -> None:
             result = results[i]
             assert result.observation == "" and result.reward == 0.0 and result.done, result
             assert result.info["truncated"] and result.info["fault"] == kind, result.info
+            assert result.info["invalid_action"] is False, result.info
         assert "did not answer 'step' in 1.5 s" in results[2].info["error"]
         assert "ValueError: CounterEnv was asked to raise" in results[3].info["error"]
         assert "sent garbage" in results[4].info["error"]

@@ -87,6 +87,7 @@ class SweEnv(TextEnv, FileTools):
     """
 
     task_class = SweTask
+    load_tasks = staticmethod(load_tasks)  # (data_root, split, task_types, **options)
     default_split = "test"
 
     def __init__(
@@ -171,11 +172,6 @@ class SweEnv(TextEnv, FileTools):
             self.python = python or "python"
 
         self._ws: Workspace | None = None
-
-    @classmethod
-    def load_tasks(cls, data_root, split, task_types=None, **options) -> list[SweTask]:
-        """`envs.swe.load_tasks`."""
-        return load_tasks(data_root, split, task_types=task_types, **options)
 
     @property
     def workspace(self) -> Workspace | None:

@@ -129,7 +129,7 @@ class TabularEnv(TextEnv):
     """
 
     task_class = TabularTask
-    load_tasks = staticmethod(load_tasks)
+    load_tasks = staticmethod(load_tasks)  # (data_root, split, task_types, **options)
 
     def __init__(
         self,

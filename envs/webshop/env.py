@@ -88,6 +88,7 @@ class WebShopEnv(TextEnv):
     """
 
     task_class = WebShopTask
+    load_tasks = staticmethod(load_tasks)  # (data_root, split, task_types, **options)
     default_split = "test"
 
     def __init__(
@@ -143,11 +144,6 @@ class WebShopEnv(TextEnv):
         self._page_no = 1
         self._asin: str | None = None  # The item being looked at.
         self._chosen: dict[str, str] = {}  # Option group -> chosen value on the item page.
-
-    @classmethod
-    def load_tasks(cls, data_root, split, task_types=None, **options) -> list[WebShopTask]:
-        """`envs.webshop.load_tasks`."""
-        return load_tasks(data_root, split, task_types=task_types, **options)
 
     # Episode ------------------------------------------------------------------------------------
 

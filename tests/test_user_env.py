@@ -172,6 +172,37 @@ def test_fork_pool_snapshots_and_clones_the_user_env():
         assert pool.live() == []
 
 
+class EchoEnv(gymnasium.Env):
+    """A plain gymnasium env (no TextEnv, no info contract): it echoes actions for two steps."""
+
+    observation_space = gymnasium.spaces.Text(64, min_length=0)
+    action_space = gymnasium.spaces.Text(64, min_length=0)
+
+    def reset(self, *, seed=None, options=None):
+        super().reset(seed=seed)
+        self.name, self.t = (options or {})["task"].task_id, 0
+        return f"hello {self.name}", {}
+
+    def step(self, action):
+        self.t += 1
+        return f"{self.name} heard {action}", float(len(action or "")), False, self.t >= 2, {}
+
+
+def test_a_plain_gymnasium_env_runs_in_the_pool_too():
+    """Any gymnasium env over text: done is terminated or truncated, the flag fills the info."""
+    name = f"{EchoEnv.__module__}:EchoEnv"
+    with SandboxPool(name, {}, backend="fork", num_workers=2) as pool:
+        (sid, obs, _), (other, _, _) = pool.reset_many([base.Task("a"), base.Task("b")])
+        assert obs == "hello a"
+        (copy,) = pool.clone(sid, 1)
+        first, second = pool.step_many([(sid, "hi"), (other, "yo")])
+        assert (first.observation, first.reward, first.done) == ("a heard hi", 2.0, False)
+        assert second.observation == "b heard yo" and first.info == {"truncated": False}
+        last, from_copy = pool.step_many([(sid, "bye"), (copy, "hey")])
+        assert last.done and last.info == {"truncated": True}
+        assert from_copy.observation == "a heard hey" and not from_copy.done
+
+
 @pytest.fixture(scope="module")
 def policy(tmp_path_factory):
     """The tiny decoder with random weights and a tokenizer trained on the cave's words."""

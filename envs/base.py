@@ -1,38 +1,74 @@
-"""The protocol every environment implements, and the registry that picks one by name.
+"""What every environment shares: tasks, text spaces, the `TextEnv` base class, data roots.
 
-An environment plays one episode at a time: `reset(task)` starts it, `step(action)` advances it by
-one text action, `close()` frees what it holds. Actions are free text from a language model, so an
-environment never raises on a bad action; it answers with its own "that did nothing" observation
-and lets the reward say it was wrong. Exceptions are kept for misuse by the caller (stepping
-before `reset` or after the episode ended).
+Every environment is a `gymnasium.Env` over text: `reset(seed=None, options={"task": task})`
+returns `(observation, info)`, `step(action)` returns `(observation, reward, terminated,
+truncated, info)`. Actions are free text from a language model, so an environment never raises
+on a bad action; it answers with its own "that did nothing" observation, sets
+`info["invalid_action"]` and lets the reward say it was wrong. Exceptions are kept for misuse by
+the caller (stepping before `reset` or after the episode ended).
 
-Backends that can snapshot and restore a running episode extend this protocol elsewhere; the base
-stays minimal so that every environment can implement it.
+The info contract (every `reset` and `step` of a `TextEnv`):
+- `won` (bool): the task was achieved;
+- `invalid_action` (bool): the env rejected or ignored the action (ALFWorld's "Nothing
+  happens.", WebShop's unavailable click, a malformed tool call, no action at all);
+- `truncated` (bool): the same as the `truncated` flag (the step limit cut the episode off);
+- `steps` (int): actions taken in the episode so far.
+Environments add their own keys (`goal` at reset, `admissible_commands`, ...).
+
+Tasks: `reset(options={"task": task})` plays `task`, an instance of the env's `Task` subclass;
+`reset()` without one draws a task from the env's default list with its seeded generator (see
+`TextEnv`). An environment lists its tasks with `load_tasks(data_root, split, task_types,
+**options)` on its class (a classmethod, or a module's loader as a staticmethod);
+`load_tasks(name, ...)` below finds the class from any name (`envs.registry`) and calls it, so
+a user's env needs no registration for its tasks.
+
+Snapshots, restores and forks are the sandbox layer's job (`envs.sandbox`); it drives the same
+gymnasium API and reports `done = terminated or truncated` as a `StepResult`.
 
 Example:
-    env = make_env("alfworld", max_steps=50)
-    observation, info = env.reset(task)
-    result = env.step("go to desk 1")
+    env = make_env("alfworld", max_steps=50)          # or make_env("bpo_jax/ALFWorld-v0")
+    observation, info = env.reset(options={"task": task})
+    observation, reward, terminated, truncated, info = env.step("go to desk 1")
 """
 
 from __future__ import annotations
 
+import copy
 import dataclasses
-import importlib
-from collections.abc import Callable
-from typing import Any, NamedTuple, Protocol, TypeVar, runtime_checkable
+import os
+import pathlib
+import string
+from collections.abc import Sequence
+from typing import Any, ClassVar, NamedTuple
+
+import gymnasium
+from gymnasium import spaces
+
+from envs.registry import env_class, known_envs, load_tasks, make_env, register_env
 
 __all__ = [
-    "check_can_step",
-    "Environment",
+    "ACTION_MAX_CHARS",
+    "OBSERVATION_MAX_CHARS",
     "StepResult",
     "Task",
+    "TextEnv",
+    "TextSpace",
+    "env_class",
     "known_envs",
     "load_tasks",
     "make_env",
     "register_env",
-    "register_task_loader",
+    "reset_to",
+    "resolve_data_root",
+    "step_result",
 ]
+
+# A language model's action: generated tokens decode to at most a few dozen characters each, and
+# no config generates more than a few hundred tokens per action; this bound is far above both.
+ACTION_MAX_CHARS = 1 << 16
+# Observations: the longest page any env here shows is a few thousand characters (SWE tool output
+# is cut to `observation_chars`); a game that printed more would be a bug worth a failed check.
+OBSERVATION_MAX_CHARS = 1 << 20
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,16 +84,13 @@ class Task:
 
 
 class StepResult(NamedTuple):
-    """What one `Environment.step` returns.
+    """One step as the sandbox layer reports it (`step_result`).
 
     Attributes:
         observation: Text the agent sees next.
         reward: Reward for this step alone (not cumulative).
-        done: Whether the episode has ended, by success or by truncation. `step` must not be
-            called again until the next `reset`.
-        info: Diagnostics. Every environment sets `truncated` (the episode was cut off by a step
-            limit, not ended by the game) and `won` (the task was achieved); environments add
-            their own keys.
+        done: `terminated or truncated`: `step` must not be called again until the next reset.
+        info: The env's info (see the module docstring); `info["truncated"]` is the flag.
     """
 
     observation: str
@@ -66,171 +99,300 @@ class StepResult(NamedTuple):
     info: dict[str, Any]
 
 
-@runtime_checkable
-class Environment(Protocol):
-    """A text environment that plays one episode at a time."""
+class TextSpace(spaces.Text):
+    """Every Unicode string of `min_length` to `max_length` characters.
 
-    def reset(self, task: Task) -> tuple[str, dict[str, Any]]:
-        """Starts a new episode of `task`, abandoning any episode in progress.
+    `gymnasium.spaces.Text` checks each character against its charset, and a charset of all of
+    Unicode costs seconds and hundreds of MB to build; model text can hold any character, so
+    membership here checks the length alone. `sample()` draws from `charset` (printable ASCII by
+    default), which is what `check_env` feeds an env.
+    """
+
+    def __init__(
+        self, max_length: int, *, min_length: int = 0, charset: str = string.printable, seed=None
+    ):
+        super().__init__(max_length, min_length=min_length, charset=charset, seed=seed)
+
+    def contains(self, x: Any) -> bool:
+        return isinstance(x, str) and self.min_length <= len(x) <= self.max_length
+
+    def __repr__(self) -> str:
+        return f"TextSpace({self.min_length}, {self.max_length}, any Unicode)"
+
+
+class TextEnv(gymnasium.Env):
+    """Base class of the text environments: step counting, the step limit, misuse errors, info.
+
+    Subclasses set `task_class` (the `Task` subclass `reset` accepts), implement `_start(task)
+    -> (observation, info)` and `_play(action) -> (observation, reward, terminated, info)`
+    (`info` with `won` and `invalid_action`), and may override `_close()`. `self.steps` already
+    counts the action when `_play` runs, so `self.last_step` says whether it is the last one.
+
+    Tasks: `cls.load_tasks(data_root, split, task_types, **options)` lists them (what
+    `envs.base.load_tasks(name, ...)` calls). `reset()` without a task draws one with
+    `self.np_random` from `default_tasks()` (the constructor's `tasks`, else `load_tasks(None,
+    default_split)`), so `reset(seed=s)` picks the same task for the same seed.
+
+    Sandboxes: `preload_modules` are imported by a sandbox worker before it creates the env
+    (modules the env would otherwise import on its first reset), so that every fork has them.
+    """
+
+    metadata: ClassVar[dict[str, Any]] = {"render_modes": []}
+    observation_space = TextSpace(OBSERVATION_MAX_CHARS)
+    action_space = TextSpace(ACTION_MAX_CHARS)
+    task_class: ClassVar[type[Task]] = Task
+    preload_modules: ClassVar[tuple[str, ...]] = ()
+    default_split: ClassVar[str | None] = None
+
+    def __init__(
+        self,
+        max_steps: int | None = 50,
+        invalid_action_penalty: float = 0.0,
+        tasks: Sequence[Task] | None = None,
+    ):
+        """Validates and keeps the settings every env has.
 
         Args:
-            task: The task to play; its concrete type is the environment's own `Task` subclass.
+            max_steps: Episode length limit: the step that reaches it ends the episode with
+                `truncated` (unless it terminates it). None: no limit.
+            invalid_action_penalty: Non-negative amount an env subtracts for an invalid action.
+            tasks: What `reset()` without a task draws from (None: `load_tasks(None,
+                default_split)` on first use).
+
+        Raises:
+            ValueError: If an argument is out of range.
+        """
+        if max_steps is not None and (
+            isinstance(max_steps, bool) or not isinstance(max_steps, int) or max_steps < 1
+        ):
+            raise ValueError(f"max_steps must be a positive int, got {max_steps!r}.")
+        if not invalid_action_penalty >= 0:
+            raise ValueError(
+                f"invalid_action_penalty must be >= 0 (it is subtracted), got "
+                f"{invalid_action_penalty!r}."
+            )
+        self.max_steps = max_steps
+        self.invalid_action_penalty = float(invalid_action_penalty)
+        # The class declares the spaces; each env samples from its own copy (gymnasium seeds an
+        # env's spaces separately from other envs').
+        self.observation_space = copy.deepcopy(type(self).observation_space)
+        self.action_space = copy.deepcopy(type(self).action_space)
+        self._task: Task | None = None
+        self._steps = 0
+        self._done = True  # No episode running until reset.
+        self._default_tasks = None if tasks is None else list(tasks)
+        if self._default_tasks is not None and not self._default_tasks:
+            raise ValueError("tasks must hold at least one task, or be None.")
+
+    # Tasks --------------------------------------------------------------------------------------
+
+    @classmethod
+    def load_tasks(
+        cls,
+        data_root: str | None,
+        split: str,
+        task_types: tuple[str, ...] | None = None,
+        **options: Any,
+    ) -> list[Task]:
+        """Lists the tasks of one split (override; the base class has none).
+
+        Raises:
+            ValueError: Always, naming the class: it defines no task loader.
+        """
+        raise ValueError(
+            f"{cls.__module__}.{cls.__qualname__} has no task loader; define a `load_tasks` "
+            "classmethod (data_root, split, task_types=None, **options) -> list[Task] on it."
+        )
+
+    def default_tasks(self) -> Sequence[Task]:
+        """The tasks `reset()` draws from when no task is given (cached)."""
+        if self._default_tasks is None:
+            if self.default_split is None:
+                raise ValueError(
+                    f"{type(self).__name__}.reset needs options={{'task': ...}}: it has no "
+                    "default_split to draw a task from."
+                )
+            self._default_tasks = list(type(self).load_tasks(None, self.default_split))
+            if not self._default_tasks:
+                raise ValueError(f"{type(self).__name__}: split {self.default_split!r} is empty.")
+        return self._default_tasks
+
+    # The gymnasium API --------------------------------------------------------------------------
+
+    @property
+    def task(self) -> Task | None:
+        """The task of the current (or last) episode."""
+        return self._task
+
+    @property
+    def steps(self) -> int:
+        """Actions taken in the current episode."""
+        return self._steps
+
+    @property
+    def done(self) -> bool:
+        """Whether no episode is running (before the first reset, or after the last step)."""
+        return self._done
+
+    @property
+    def last_step(self) -> bool:
+        """Whether the action being played reaches `max_steps` (read inside `_play`)."""
+        return self.max_steps is not None and self._steps >= self.max_steps
+
+    def reset(
+        self, *, seed: int | None = None, options: dict[str, Any] | None = None
+    ) -> tuple[str, dict[str, Any]]:
+        """Starts an episode of `options["task"]` (or of a task drawn from `default_tasks()`).
+
+        Args:
+            seed: Seeds `self.np_random` (gymnasium's rule), which draws the default task.
+            options: `{"task": task}` or None/{}; no other keys.
 
         Returns:
-            The first observation and an info dict (same common keys as `StepResult.info`).
-        """
-        ...
+            The first observation and the info dict (see the module docstring).
 
-    def step(self, action: str | None) -> StepResult:
+        Raises:
+            TypeError: If the task is not a `task_class`.
+            ValueError: For an unknown option.
+        """
+        super().reset(seed=seed)
+        options = dict(options or {})
+        task = options.pop("task", None)
+        if options:
+            raise ValueError(
+                f"{type(self).__name__}.reset got unknown options {sorted(options)}; the only "
+                "option is 'task'."
+            )
+        if task is None:
+            tasks = self.default_tasks()
+            task = tasks[int(self.np_random.integers(len(tasks)))]
+        if not isinstance(task, self.task_class):
+            raise TypeError(
+                f"{type(self).__name__}.reset expects a {self.task_class.__name__} (from its "
+                f"load_tasks), got {type(task).__name__}: {task!r}."
+            )
+        # Until the new episode is up none is running, so that a failed start leaves no
+        # half-reset episode that could be stepped.
+        self._done = True
+        self._task, self._steps = task, 0
+        observation, info = self._start(task)
+        self._done = False
+        return observation, self._common_info(info, truncated=False)
+
+    def step(self, action: str | None) -> tuple[str, float, bool, bool, dict[str, Any]]:
         """Plays one action.
 
         Args:
-            action: The agent's action text, or None when no action could be parsed from the
-                agent's output. Invalid actions are penalised through the reward, not raised.
+            action: The agent's text, or None when no action could be parsed from its output
+                (always invalid). Invalid actions are answered, never raised.
 
         Returns:
-            The step's result.
+            `(observation, reward, terminated, truncated, info)`.
 
         Raises:
-            RuntimeError: If no episode is running (before `reset`, or after `done`).
+            RuntimeError: If no episode is running (before `reset`, or after it ended).
         """
-        ...
+        self.check_can_step()
+        self._steps += 1
+        observation, reward, terminated, info = self._play(action)
+        terminated = bool(terminated)
+        truncated = not terminated and self.last_step
+        self._done = terminated or truncated
+        return observation, float(reward), terminated, truncated, self._common_info(info, truncated)
 
     def close(self) -> None:
-        """Releases the resources the environment holds. Safe to call more than once."""
-        ...
+        """Ends any episode and frees what the env holds. Safe to call more than once."""
+        self._done = True
+        self._close()
 
+    def check_can_step(self) -> None:
+        """Refuses a step before `reset` or after the episode ended.
 
-_EnvFactory = Callable[..., Environment]
-_F = TypeVar("_F", bound=_EnvFactory)
-
-# Name -> factory (usually the environment class). Filled by `register_env` at import time.
-_REGISTRY: dict[str, _EnvFactory] = {}
-# Name -> task loader, `loader(data_root, split, task_types, **options) -> list[Task]`.
-_TaskLoader = Callable[..., list[Task]]
-_TASK_LOADERS: dict[str, _TaskLoader] = {}
-
-# Environments shipped in this repo, imported on first use so that `make_env("alfworld")` works
-# without the caller importing the package that registers it (and without paying its import cost
-# when it is not used).
-_BUILTIN_MODULES: dict[str, str] = {
-    "alfworld": "envs.alfworld",
-    "swe": "envs.swe",
-    "webshop": "envs.webshop",
-    "tabular": "envs.tabular",
-}
-
-
-def check_can_step(env: Any, started: bool, done: bool, task: Task | None, steps: int) -> None:
-    """The guard every env's `step` starts with: refuses a step before `reset` or after the end.
-
-    Raises:
-        RuntimeError: naming the env class, and the task and step count when the episode ended.
-    """
-    name = type(env).__name__
-    if not started or task is None:
-        raise RuntimeError(f"{name}.step called before reset; call reset(task) first.")
-    if done:
-        raise RuntimeError(
-            f"{name}.step called after the episode of {task.task_id} ended (after {steps} "
-            "steps); call reset(task) to start a new one."
-        )
-
-
-def register_env(name: str) -> Callable[[_F], _F]:
-    """Class decorator that makes an environment constructible by `make_env(name)`.
-
-    Args:
-        name: The name configs use to select the environment.
-
-    Returns:
-        A decorator that registers its argument and returns it unchanged.
-
-    Raises:
-        ValueError: If `name` is already taken by a different factory.
-    """
-
-    def decorator(factory: _F) -> _F:
-        existing = _REGISTRY.get(name)
-        # Re-importing a module (importlib.reload, notebooks) re-runs the decorator with a new but
-        # equivalent class object; only a genuinely different factory is a conflict.
-        if existing is not None and _qualified_name(existing) != _qualified_name(factory):
-            raise ValueError(
-                f"Environment name {name!r} is already registered to "
-                f"{_qualified_name(existing)}; cannot register {_qualified_name(factory)} under "
-                "the same name. Pick another name."
+        Raises:
+            RuntimeError: Naming the env class, and the task and step count when it ended.
+        """
+        name = type(self).__name__
+        if self._task is None:
+            raise RuntimeError(f"{name}.step called before reset; call reset first.")
+        if self._done:
+            raise RuntimeError(
+                f"{name}.step called after the episode of {self._task.task_id} ended (after "
+                f"{self._steps} steps); call reset to start a new one."
             )
-        _REGISTRY[name] = factory
-        return factory
 
-    return decorator
+    # What subclasses implement ------------------------------------------------------------------
+
+    def _start(self, task: Task) -> tuple[str, dict[str, Any]]:
+        raise NotImplementedError
+
+    def _play(self, action: str | None) -> tuple[str, float, bool, dict[str, Any]]:
+        raise NotImplementedError
+
+    def _close(self) -> None:  # noqa: B027 - optional hook.
+        """Frees the env's own resources (a game engine, a workspace)."""
+
+    def _common_info(self, info: dict[str, Any], truncated: bool) -> dict[str, Any]:
+        missing = {"won", "invalid_action"} - info.keys()
+        if missing:
+            raise KeyError(f"{type(self).__name__} left {sorted(missing)} out of its info dict.")
+        info["truncated"] = truncated
+        info["steps"] = self._steps
+        return info
 
 
-def known_envs() -> list[str]:
-    """Returns the sorted names `make_env` accepts."""
-    return sorted(set(_REGISTRY) | set(_BUILTIN_MODULES))
+# The sandbox layer's view of an env -------------------------------------------------------------
 
 
-def make_env(name: str, **kwargs: Any) -> Environment:
-    """Constructs the environment registered under `name`.
+def reset_to(env: gymnasium.Env, task: Task) -> tuple[str, dict[str, Any]]:
+    """`env.reset(options={"task": task})`: how the sandbox layer starts every episode."""
+    observation, info = env.reset(options={"task": task})
+    return observation, dict(info)
+
+
+def step_result(env: gymnasium.Env, action: str | None) -> StepResult:
+    """Plays `action` in any gymnasium env and reports it with `done = terminated or truncated`.
+
+    `info["truncated"]` is set from the flag, so that envs that do not follow the info contract
+    (a user's own gymnasium env) report truncation the same way.
+    """
+    observation, reward, terminated, truncated, info = env.step(action)
+    info = dict(info)
+    info["truncated"] = bool(truncated)
+    return StepResult(observation, float(reward), bool(terminated or truncated), info)
+
+
+def resolve_data_root(
+    root: str | os.PathLike[str] | None,
+    *,
+    env_var: str,
+    default: str,
+    label: str,
+    hint: str,
+    marker: str | None = None,
+) -> pathlib.Path:
+    """Finds an environment's data folder: `root`, else `$env_var`, else `default`.
 
     Args:
-        name: A registered environment name, e.g. "alfworld".
-        **kwargs: Passed to the environment's constructor.
-
-    Returns:
-        A new environment.
-
-    Raises:
-        ValueError: If no environment is registered under `name`.
-    """
-    if name not in _REGISTRY and name in _BUILTIN_MODULES:
-        importlib.import_module(_BUILTIN_MODULES[name])
-    if name not in _REGISTRY:
-        raise ValueError(
-            f"Unknown environment {name!r}. Known environments: {known_envs()}. Register new "
-            "ones with @register_env(name) and import their module before calling make_env."
-        )
-    return _REGISTRY[name](**kwargs)
-
-
-def _qualified_name(obj: Any) -> str:
-    return f"{getattr(obj, '__module__', '?')}.{getattr(obj, '__qualname__', repr(obj))}"
-
-
-def register_task_loader(name: str) -> Callable[[_TaskLoader], _TaskLoader]:
-    """Decorator that makes `load_tasks(name, ...)` list an environment's tasks.
-
-    The loader is called as `loader(data_root, split, task_types, **options)`: `data_root` is
-    a path or None (the environment's default, e.g. from an environment variable), `split` a
-    split name, `task_types` a tuple of task-type names or None (all), and `options` the
-    experiment's `env.task_options`.
-    """
-
-    def decorator(loader):
-        _TASK_LOADERS[name] = loader
-        return loader
-
-    return decorator
-
-
-def load_tasks(
-    name: str,
-    data_root: str | None,
-    split: str,
-    task_types: tuple[str, ...] | None = None,
-    **options: Any,
-) -> list[Task]:
-    """Lists the tasks of one split of the environment registered under `name`.
+        root: Explicit folder (None or "": use the environment variable or the default).
+        env_var: Environment variable to read.
+        default: Folder used when both are unset.
+        label: What the folder holds, for messages ("ALFWorld data root").
+        hint: How to get the data, appended to the error message.
+        marker: A file or folder that must exist inside it (e.g. "json_2.1.1").
 
     Raises:
-        ValueError: If the environment has no task loader.
+        FileNotFoundError: If the folder (or its `marker`) does not exist; says where the path
+            came from and how to get the data.
     """
-    if name not in _TASK_LOADERS and name in _BUILTIN_MODULES:
-        importlib.import_module(_BUILTIN_MODULES[name])
-    if name not in _TASK_LOADERS:
-        raise ValueError(
-            f"Environment {name!r} has no task loader. Known: {sorted(_TASK_LOADERS)}. Register "
-            "one with @register_task_loader(name) in the environment's package."
-        )
-    return _TASK_LOADERS[name](data_root, split, task_types, **options)
+    if root:
+        source = "the data-root argument"
+    elif os.environ.get(env_var):
+        root, source = os.environ[env_var], f"${env_var}"
+    else:
+        root, source = default, f"the default ({env_var} is unset)"
+    path = pathlib.Path(root).expanduser().resolve()
+    if not path.is_dir():
+        raise FileNotFoundError(f"{label} {str(path)!r} (from {source}) does not exist. {hint}")
+    if marker is not None and not (path / marker).exists():
+        raise FileNotFoundError(f"{label} {str(path)!r} (from {source}) has no {marker}. {hint}")
+    return path

@@ -5,8 +5,11 @@ takes seconds, so one env is shared by the module's tests.
 """
 
 import pickle
+import warnings
 
+import gymnasium
 import pytest
+from gymnasium.utils.env_checker import check_env
 
 from envs import base
 from envs.alfworld import (
@@ -131,7 +134,7 @@ def test_explicit_root_wins_over_env_var(tmp_path, monkeypatch):
 @pytest.mark.parametrize("task_type", TASK_TYPES)
 def test_walkthrough_wins(env, shortest_by_type, task_type):
     task = shortest_by_type[task_type]
-    observation, info = env.reset(task)
+    observation, info = env.reset(options={"task": task})
 
     assert "Welcome to TextWorld" not in observation
     assert observation.startswith("You are in the middle of a room.")
@@ -139,15 +142,22 @@ def test_walkthrough_wins(env, shortest_by_type, task_type):
     assert observation.endswith(info["goal"])
     assert info["task_type"] == task_type and info["task_id"] == task.task_id
     assert not info["won"] and not info["truncated"] and info["steps"] == 0
+    assert not info["invalid_action"]
     assert "look" in info["admissible_commands"]
 
     *moves, last = task.walkthrough
     for step, action in enumerate(moves, start=1):
-        result = env.step(action)
-        assert result.reward == 0.0 and not result.done, (action, result.observation)
-        assert not result.info["invalid"] and result.info["steps"] == step
-    observation, reward, done, info = env.step(last)
-    assert (reward, done, info["won"], info["truncated"]) == (1.0, True, True, False)
+        observation, reward, terminated, truncated, info = env.step(action)
+        assert reward == 0.0 and not terminated and not truncated, (action, observation)
+        assert not info["invalid_action"] and info["steps"] == step
+    observation, reward, terminated, truncated, info = env.step(last)
+    assert (reward, terminated, truncated, info["won"], info["truncated"]) == (
+        1.0,
+        True,
+        False,
+        True,
+        False,
+    )
     assert observation and observation != NOTHING_HAPPENS
 
     with pytest.raises(RuntimeError, match="after the episode.*ended"):
@@ -157,39 +167,42 @@ def test_walkthrough_wins(env, shortest_by_type, task_type):
 def test_garbage_actions_are_penalised_then_walkthrough_still_wins(env, shortest_by_type):
     # The last walkthrough test played this game, so this reset skips the reload.
     task = shortest_by_type["pick_two_obj_and_place"]
-    env.reset(task)
+    env.reset(options={"task": task})
     garbage = ["asdf qwerty", "", None, "go to the moon", "   ", "go to desk 99"]
     for step, action in enumerate(garbage, start=1):
-        observation, reward, done, info = env.step(action)
+        observation, reward, terminated, truncated, info = env.step(action)
         assert observation == NOTHING_HAPPENS, action
-        assert reward == -PENALTY and not done, action
-        assert info["invalid"] and not info["won"] and info["steps"] == step
+        assert reward == -PENALTY and not terminated and not truncated, action
+        assert info["invalid_action"] and not info["won"] and info["steps"] == step
 
     # Sloppy casing, spacing and a final period still name the same admissible command.
     for action in task.walkthrough:
-        result = env.step(f"  {action.upper().replace(' ', '  ')}. ")
-        assert not result.info["invalid"], (action, result.observation)
-    assert result.reward == 1.0 and result.done and result.info["won"]
-    assert result.info["steps"] == len(garbage) + len(task.walkthrough)
+        observation, reward, terminated, truncated, info = env.step(
+            f"  {action.upper().replace(' ', '  ')}. "
+        )
+        assert not info["invalid_action"], (action, observation)
+    assert reward == 1.0 and terminated and info["won"]
+    assert info["steps"] == len(garbage) + len(task.walkthrough)
 
 
 def test_max_steps_truncates():
     env = AlfworldEnv(max_steps=3)
     try:
         task = load_tasks(None, "valid_unseen", limit=1)[0]
-        env.reset(task)
+        env.reset(options={"task": task})
         for _ in range(2):
-            assert not env.step("look").done
-        observation, reward, done, info = env.step("asdf")
-        assert done and info["truncated"] and not info["won"]
+            assert env.step("look")[2:4] == (False, False)
+        observation, reward, terminated, truncated, info = env.step("asdf")
+        assert truncated and not terminated and info["truncated"] and not info["won"]
+        assert info["invalid_action"]
         assert observation == NOTHING_HAPPENS and reward == pytest.approx(-0.1)
         with pytest.raises(RuntimeError, match="reset"):
             env.step("look")
 
         # A new episode starts from scratch.
-        _, info = env.reset(task)
+        _, info = env.reset(options={"task": task})
         assert info["steps"] == 0 and not info["truncated"]
-        assert not env.step("look").done
+        assert env.step("look")[2:4] == (False, False)
     finally:
         env.close()
     with pytest.raises(RuntimeError, match="reset"):
@@ -201,7 +214,9 @@ def test_step_before_reset_and_bad_reset_argument():
     with pytest.raises(RuntimeError, match="before reset"):
         env.step("look")
     with pytest.raises(TypeError, match="AlfworldTask"):
-        env.reset(base.Task(task_id="x"))
+        env.reset(options={"task": base.Task(task_id="x")})
+    with pytest.raises(ValueError, match="unknown options.*'game'"):
+        env.reset(options={"game": "x"})
 
 
 @pytest.mark.parametrize(
@@ -240,9 +255,14 @@ def test_normalize_action(raw, expected):
 
 
 def test_make_env_and_protocol():
-    env = base.make_env("alfworld", max_steps=7)
-    assert isinstance(env, AlfworldEnv) and env.max_steps == 7
-    assert isinstance(env, base.Environment)
+    for name in ("alfworld", "bpo_jax/ALFWorld-v0", "envs.alfworld.env:AlfworldEnv"):
+        env = base.make_env(name, max_steps=7)
+        assert type(env) is AlfworldEnv and env.max_steps == 7, name
+        assert isinstance(env, gymnasium.Env) and isinstance(env, base.TextEnv)
+    assert base.env_class("alfworld").preload_modules == (
+        "textworld",
+        "alfworld.agents.environment.alfred_tw_env",
+    )
     assert isinstance(
         AlfworldTask("t", game_file="g", split="train", task_type="x", walkthrough=()), base.Task
     )
@@ -250,8 +270,28 @@ def test_make_env_and_protocol():
         base.make_env("nethack")
 
 
+def test_gymnasium_env_checker_passes():
+    """check_env through gymnasium.make: reset without options draws a valid_unseen game with
+    the env's seeded generator; a sampled action (random printable text) is an invalid one."""
+    env = gymnasium.make("bpo_jax/ALFWorld-v0", max_steps=5).unwrapped
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            check_env(env)
+        complaints = [str(w.message) for w in caught if "WARN" in str(w.message)]
+        assert complaints == []
+        _, first = env.reset(seed=7)
+        _, again = env.reset(seed=7)
+        assert first["task_id"] == again["task_id"]
+        assert first["task_id"].startswith("valid_unseen/")
+    finally:
+        env.close()
+
+
 def test_register_env_rejects_a_taken_name(monkeypatch):
-    monkeypatch.setattr(base, "_REGISTRY", dict(base._REGISTRY))
+    from envs import registry
+
+    monkeypatch.setattr(registry, "_REGISTRY", dict(registry._REGISTRY))
 
     @base.register_env("dummy")
     class Dummy:

@@ -504,6 +504,9 @@ def test_branch_advantage_variance(case):
 # ---------------------------------------------------------------------- the text environment
 
 
+step = env_base.step_result  # (observation, reward, done = terminated or truncated, info)
+
+
 def _task(mdp, start=()):
     return tabular.TabularTask(task_id="t", mdp_name=mdp.name, start=start)
 
@@ -511,49 +514,51 @@ def _task(mdp, start=()):
 def test_env_plays_the_mdp():
     """Every action sequence through the env: rewards, done, won and unique observations."""
     env = env_base.make_env("tabular", max_steps=GENERIC.horizon, invalid_action_penalty=0.5)
-    assert isinstance(env, env_base.Environment) and env.mdp is GENERIC
+    assert isinstance(env, env_base.TextEnv) and env.mdp is GENERIC
     trajs = tabular.enumerate_trajectories(GENERIC)
     seen = {}  # observation -> state
     for actions, rewards, ret in zip(trajs.actions, trajs.rewards, trajs.returns):
-        obs, info = env.reset(_task(GENERIC))
+        obs, info = env.reset(options={"task": _task(GENERIC)})
         seen.setdefault(obs, info["state"])
         assert info["state"] == 0 and "goal" in info
         for t, action in enumerate(actions):
-            result = env.step(f"a{action}")
+            result = step(env, f"a{action}")
             assert result.reward == rewards[t]
             assert result.done == (t == GENERIC.horizon - 1)
-            assert not result.info["invalid"] and not result.info["truncated"]
+            assert not result.info["invalid_action"] and not result.info["truncated"]
             assert seen.setdefault(result.observation, result.info["state"]) == result.info["state"]
         assert result.info["won"] == (ret == trajs.returns.max())
         assert result.info["history"] == tuple(actions)
     # One observation per state, decision states and leaves alike.
     assert len(seen) == len(set(seen.values())) == GENERIC.num_states + GENERIC.num_leaves
     with pytest.raises(RuntimeError, match="after the episode"):
-        env.step("a0")
+        step(env, "a0")
 
 
 def test_env_invalid_actions_truncation_and_checks():
     env = tabular.TabularEnv(
         max_steps=3, invalid_action_penalty=0.25, instance="first_action_decides"
     )
-    obs0, _ = env.reset(_task(FIRST))
+    obs0, _ = env.reset(options={"task": _task(FIRST)})
     for bad in ["go north", None, "a2", ""]:
-        result = env.step(bad)
-        assert result.reward == -0.25 and result.info["invalid"] and result.info["state"] == 0
+        result = step(env, bad)
+        assert (
+            result.reward == -0.25 and result.info["invalid_action"] and result.info["state"] == 0
+        )
         assert result.observation.startswith("Invalid action") and obs0 in result.observation
         if result.done:
             break
     assert result.done and result.info["truncated"] and not result.info["won"]
     assert result.info["steps"] == 3
     # " A1. " parses as a1.
-    env.reset(_task(FIRST))
-    assert env.step(" A1. ").info["history"] == (1,)
+    env.reset(options={"task": _task(FIRST)})
+    assert step(env, " A1. ").info["history"] == (1,)
     with pytest.raises(ValueError, match="made for MDP"):
-        env.reset(_task(GENERIC))
+        env.reset(options={"task": _task(GENERIC)})
     with pytest.raises(TypeError):
-        env.reset(env_base.Task("x"))
+        env.reset(options={"task": env_base.Task("x")})
     with pytest.raises(RuntimeError, match="before reset"):
-        tabular.TabularEnv().step("a0")
+        step(tabular.TabularEnv(), "a0")
     with pytest.raises(ValueError):
         tabular.TabularEnv(max_steps=0)
     with pytest.raises(ValueError):
@@ -563,12 +568,12 @@ def test_env_invalid_actions_truncation_and_checks():
 def test_env_snapshot_and_fork():
     """A copy mid-episode continues identically; the in-process sandbox pool forks the env."""
     env = tabular.TabularEnv(instance="generic")
-    env.reset(_task(GENERIC))
-    env.step("a2")
+    env.reset(options={"task": _task(GENERIC)})
+    step(env, "a2")
     fork = copy.deepcopy(env)
     assert fork.mdp is env.mdp  # the immutable MDP is shared, not copied
-    a = [env.step(x) for x in ("a0", "a1")]
-    b = [fork.step(x) for x in ("a0", "a1")]
+    a = [step(env, x) for x in ("a0", "a1")]
+    b = [step(fork, x) for x in ("a0", "a1")]
     assert a == b and a[-1].done
 
     from envs.sandbox import SandboxPool
@@ -593,10 +598,10 @@ def test_task_loader():
     assert len({t.task_id for t in tasks}) == len(tasks)
     env = env_base.make_env("tabular", max_steps=5, invalid_action_penalty=0.0)
     for task in tasks:
-        _, info = env.reset(task)
+        _, info = env.reset(options={"task": task})
         assert info["history"] == task.start and len(task.walkthrough) == GENERIC.horizon - 1
         for action in task.walkthrough:
-            result = env.step(action)
+            result = step(env, action)
         assert result.done and result.info["won"]
     first = "first_action_decides"
     (task,) = env_base.load_tasks("tabular", None, "train", (first,), instance=first)

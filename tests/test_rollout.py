@@ -25,7 +25,7 @@ from bpo_jax.models.llama import Transformer
 from bpo_jax.policy import Policy
 from bpo_jax.rollout import TreeSpec, play, play_forest, prompt_encoder
 from bpo_jax.tokenizer import train_sentencepiece
-from envs.base import make_env
+from envs.base import make_env, step_result
 from envs.sandbox import SandboxPool
 from envs.sandbox.testing import CounterTask
 
@@ -158,9 +158,9 @@ def test_every_path_replays_to_the_same_observations(pool, policy):
     assert forest.num_branch_points > 0
     for traj in forest.paths():
         env = make_env("sandbox_counter", max_steps=MAX_STEPS)
-        env.reset(TASKS[traj.group])
+        env.reset(options={"task": TASKS[traj.group]})
         for step in traj.steps:
-            res = env.step(step.action_text)
+            res = step_result(env, step.action_text)
             assert res.observation == step.observation
             assert res.reward == pytest.approx(step.reward)
 
@@ -274,12 +274,12 @@ def walker(policy):
     examples = []
     for _ in range(64):
         env = make_env("sandbox_counter", max_steps=MAX_STEPS)
-        ep = EpisodeText.start(env.reset(TASKS[0])[0], goal="reach the target")
+        ep = EpisodeText.start(env.reset(options={"task": TASKS[0]})[0], goal="reach the target")
         for _ in range(int(rng.integers(1, MAX_STEPS))):
             action = str(rng.choice(["inc", "dec"]))
             prompt = encode(ep)
             examples.append((prompt + tok.encode(" " + action) + [tok.eos_id], len(prompt)))
-            ep.record(action, env.step(action).observation)
+            ep.record(action, env.step(action)[0])
     opt = learner.make_optimizer(3e-3, 0.0, 0.9, 0.999, 1.0)
     step = learner.make_train_step(policy.graphdef, opt, learner.bc_loss)
     state = learner.TrainState(

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from envs.base import step_result
 from envs.sandbox import (
     HandleError,
     SandboxError,
@@ -54,8 +55,8 @@ def _reference(actions):
     from envs.sandbox.testing import CounterEnv
 
     env = CounterEnv(max_steps=100)
-    env.reset(CounterTask("t", start=0, target=1000))
-    return [tuple(env.step(a)) for a in actions]
+    env.reset(options={"task": CounterTask("t", start=0, target=1000)})
+    return [tuple(step_result(env, a)) for a in actions]
 
 
 @pytest.mark.parametrize("backend_name", LOCAL_BACKENDS)

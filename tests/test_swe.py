@@ -18,6 +18,7 @@ from swe_fixtures import CALC as _CALC
 from swe_fixtures import write_minicalc
 
 from envs.base import load_tasks, make_env
+from envs.base import step_result as step  # (observation, reward, done, info)
 from envs.sandbox import SandboxPool, make_backend, procutil
 from envs.sandbox.testing import criu_unavailable_reason, leftover_processes
 from envs.swe import build as build_module
@@ -242,43 +243,63 @@ def test_build_fails_clearly_on_a_bad_archive(tmp_path):
 
 def test_every_walkthrough_resolves_its_task_and_doing_nothing_does_not(tasks, env):
     for task in tasks:
-        observation, info = env.reset(task)
+        observation, info = env.reset(options={"task": task})
         assert task.fail_to_pass[0] in observation and info["goal"].startswith("fix minicalc")
         for action in task.walkthrough:
-            result = env.step(action)
-            assert not result.info["invalid"], (action, result.observation)
+            result = step(env, action)
+            assert not result.info["invalid_action"], (action, result.observation)
         assert result.done and result.reward == 1.0 and result.info["won"], result.observation
         assert result.info["tests"]["fail_to_pass_passed"] == len(task.fail_to_pass)
-    env.reset(tasks[0])
-    result = env.step("submit")
+    env.reset(options={"task": tasks[0]})
+    result = step(env, "submit")
     assert result.done and result.reward == 0.0 and not result.info["won"]
     assert "Not resolved" in result.observation
     assert result.info["tests"]["fail_to_pass_passed"] < len(tasks[0].fail_to_pass)
 
 
+def test_gymnasium_env_checker_passes(tasks):
+    """check_env on bpo_jax/RepoRepair-v0: reset() without a task draws one of `tasks` with the
+    env's seeded generator; a sampled action (random printable text) is an invalid tool call."""
+    import warnings
+
+    import gymnasium
+    from gymnasium.utils.env_checker import check_env
+
+    env = gymnasium.make("bpo_jax/RepoRepair-v0", max_steps=5, tasks=tasks).unwrapped
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        check_env(env)
+    assert [str(w.message) for w in caught if "WARN" in str(w.message)] == []
+    _, first = env.reset(seed=11)
+    _, again = env.reset(seed=11)
+    assert first["task_id"] == again["task_id"] and first["task_id"] in {t.task_id for t in tasks}
+    *_, info = env.step(env.action_space.sample())
+    assert info["invalid_action"] and info["tool"] is None
+
+
 def test_file_tools(tasks, env):
-    env.reset(_calc_task(tasks))
-    view = env.step("view minicalc/calc.py 4-6")
+    env.reset(options={"task": _calc_task(tasks)})
+    view = step(env, "view minicalc/calc.py 4-6")
     assert view.observation.splitlines()[0] == "minicalc/calc.py (lines 4-6 of 34)"
     assert "    4 def clamp(x, lo, hi):" in view.observation
-    assert "minicalc/calc.py" in env.step("find calc").observation
-    hits = env.step("search def mean minicalc").observation
+    assert "minicalc/calc.py" in step(env, "find calc").observation
+    hits = step(env, "search def mean minicalc").observation
     assert "minicalc/calc.py:12: def mean(xs):" in hits
-    assert env.step("ls tests").observation == "tests/:\ntest_calc.py\ntest_text.py"
-    edited = env.step(r"edit minicalc/text.py 9-10 def shout(s, times=1):\n    return s.upper()")
-    assert not edited.info["invalid"], edited.observation
+    assert step(env, "ls tests").observation == "tests/:\ntest_calc.py\ntest_text.py"
+    edited = step(env, r"edit minicalc/text.py 9-10 def shout(s, times=1):\n    return s.upper()")
+    assert not edited.info["invalid_action"], edited.observation
     assert "   10     return s.upper()" in edited.observation
-    inserted = env.step("insert minicalc/text.py 0 import os")
+    inserted = step(env, "insert minicalc/text.py 0 import os")
     assert "    1 import os" in inserted.observation
-    diff = env.step("diff").observation
+    diff = step(env, "diff").observation
     assert "+import os" in diff and '-    return (s.upper() + "!") * times' in diff
-    tested = env.step("test tests/test_text.py")
+    tested = step(env, "test tests/test_text.py")
     assert "FAILED tests/test_text.py::test_shout" in tested.observation
-    assert env.step("help").observation.startswith("view PATH")
+    assert step(env, "help").observation.startswith("view PATH")
 
 
 def test_bad_input_is_refused_clearly(tasks, env):
-    env.reset(tasks[0])
+    env.reset(options={"task": tasks[0]})
     for action, message in [
         (None, "Invalid action: Empty action"),
         ("please fix it", "Unknown tool 'please'"),
@@ -293,15 +314,15 @@ def test_bad_input_is_refused_clearly(tasks, env):
         ("replace minicalc/calc.py:4 banana => apple", "not on line 4"),
         ("edit minicalc/calc.py 9-3 x", "outside|empty"),
     ]:
-        result = env.step(action)
+        result = step(env, action)
         assert message.split("|")[0] in result.observation or (
             "|" in message and message.split("|")[1] in result.observation
         ), (action, result.observation)
         is_invalid = not message.startswith("No line")
-        assert result.info["invalid"] is is_invalid and not result.done
+        assert result.info["invalid_action"] is is_invalid and not result.done
         assert result.reward == (-0.1 if is_invalid else 0.0)
     # The jail's own path works as an absolute path.
-    assert not env.step("view /tmp/testbed/minicalc/text.py").info["invalid"]
+    assert not step(env, "view /tmp/testbed/minicalc/text.py").info["invalid_action"]
 
 
 def _jail_processes() -> list[int]:
@@ -322,7 +343,7 @@ def _jail_processes() -> list[int]:
 
 def test_hostile_commands_are_contained(tasks):
     env = make_env("swe", max_steps=50, command_timeout_s=4.0, memory_mb=512)
-    env.reset(tasks[0])
+    env.reset(options={"task": tasks[0]})
     before = set(procutil.descendant_pids(os.getpid()))
     marker = Path("/tmp/bpo-swe-escape-marker")
     marker.unlink(missing_ok=True)
@@ -345,26 +366,26 @@ def test_hostile_commands_are_contained(tasks):
     ]
     for action, expected in cases:
         started = time.monotonic()
-        result = env.step(action)
+        result = step(env, action)
         assert expected in result.observation, (action, result.observation[-600:])
         assert time.monotonic() - started < 30, action
-        assert not result.done and not result.info["invalid"]
+        assert not result.done and not result.info["invalid_action"]
         # The sandbox keeps working, and nothing of the command is left on the host.
-        assert "def clamp" in env.step("view minicalc/calc.py").observation
+        assert "def clamp" in step(env, "view minicalc/calc.py").observation
         assert _jail_processes() == [], action
         assert leftover_processes(before, timeout_s=2.0) == [], action
     assert not marker.exists() and not os.path.exists("/usr/bpo-x")
-    assert "Read-only file system" in env.step("run touch /usr/bpo-x").observation
+    assert "Read-only file system" in step(env, "run touch /usr/bpo-x").observation
 
 
 def test_commands_change_the_working_copy(tasks, env):
-    env.reset(_calc_task(tasks))
-    out = env.step("run echo 'NOTE = 1' >> minicalc/text.py && rm README && echo done > new.txt")
+    env.reset(options={"task": _calc_task(tasks)})
+    out = step(env, "run echo 'NOTE = 1' >> minicalc/text.py && rm README && echo done > new.txt")
     assert "Changed files: README, minicalc/text.py, new.txt" in out.observation
-    assert "NOTE = 1" in env.step("view minicalc/text.py").observation
-    assert "does not exist" in env.step("view README").observation
-    assert env.step("view new.txt").observation.endswith("1 done")
-    assert "cat: README: No such file" in env.step("run cat README").observation
+    assert "NOTE = 1" in step(env, "view minicalc/text.py").observation
+    assert "does not exist" in step(env, "view README").observation
+    assert step(env, "view new.txt").observation.endswith("1 done")
+    assert "cat: README: No such file" in step(env, "run cat README").observation
 
 
 def test_jail_limits_are_checked():
@@ -547,7 +568,7 @@ def test_swebench_instances_load_and_docker_says_it_is_missing(tmp_path):
             make_env("swe", executor="docker")
     env = make_env("swe")
     with pytest.raises(FileNotFoundError, match="executor='docker'"):
-        env.reset(task)
+        env.reset(options={"task": task})
 
 
 # Real packages (network: pip download from PyPI) -------------------------------------------
@@ -562,9 +583,9 @@ def test_build_real_packages(tmp_path):
     assert manifest["tasks"] >= 6 and all(p["tasks"] >= 1 for p in manifest["packages"].values())
     env = make_env("swe", max_steps=10)
     for task in swe_load_tasks(tmp_path, "all"):
-        env.reset(task)
+        env.reset(options={"task": task})
         for action in task.walkthrough:
-            result = env.step(action)
+            result = step(env, action)
         assert result.reward == 1.0, (task.task_id, result.observation)
 
 

@@ -19,6 +19,7 @@ import pytest
 from bpo_jax.config import validate
 from bpo_jax.experiment import load_experiment
 from envs import base
+from envs.base import step_result as step  # (observation, reward, done, info)
 from envs.sandbox import SandboxPool
 from envs.webshop import (
     RESULTS_PER_PAGE,
@@ -372,13 +373,13 @@ def test_colors_and_option_matching():
 def test_every_fixture_walkthrough_wins(env, tasks):
     for split in SPLITS:
         for task in tasks[split]:
-            observation, info = env.reset(task)
+            observation, info = env.reset(options={"task": task})
             assert observation.startswith(f"Your task is to: {task.goal.instruction}\n")
             assert info["goal"] == task.goal.instruction and info["page"] == "search"
             assert task.walkthrough[0].startswith("search[")
             for action in task.walkthrough:
-                result = env.step(action)
-                assert not result.info["invalid"], (task.task_id, action, result.observation)
+                result = step(env, action)
+                assert not result.info["invalid_action"], (task.task_id, action, result.observation)
             assert result.done and result.reward == 1.0 and result.info["won"], task.task_id
             assert not result.info["truncated"] and result.info["purchased"] == task.goal.asin
             assert result.info["steps"] == len(task.walkthrough) <= 15
@@ -387,55 +388,55 @@ def test_every_fixture_walkthrough_wins(env, tasks):
 def test_pages_and_navigation(tasks):
     task = two_option_task(tasks)
     env = WebShopEnv(max_steps=30)
-    env.reset(task)
+    env.reset(options={"task": task})
     search, item, first, second, _ = task.walkthrough
-    obs = env.step(search).observation
+    obs = step(env, search).observation
     assert f"[{task.goal.asin.lower()}]" in obs and "Buttons: [back to search]" in obs
-    obs, _, _, info = env.step(item)
+    obs, _, _, info = step(env, item)
     assert obs.startswith(f"Item {task.goal.asin.lower()}: ") and "[buy now]" in obs
     assert info["page"] == "item" and "click[description]" in info["available_actions"]
-    env.step(first)
+    step(env, first)
     for page in ("description", "features", "reviews"):
-        obs, _, _, info = env.step(f"click[{page}]")
+        obs, _, _, info = step(env, f"click[{page}]")
         assert info["page"] == page and obs.startswith(f"{page.capitalize()} of item")
-        obs, _, _, info = env.step("click[< prev]")
+        obs, _, _, info = step(env, "click[< prev]")
         assert info["page"] == "item" and f"(chosen: {first[6:-1]})" in obs  # Choice kept.
-    obs, _, _, info = env.step("click[< prev]")  # Back to the results page.
+    obs, _, _, info = step(env, "click[< prev]")  # Back to the results page.
     assert info["page"] == "results" and obs.startswith("Results for")
-    assert "(chosen:" not in env.step(item).observation  # A new visit: nothing chosen yet.
-    obs, _, _, info = env.step("click[back to search]")
+    assert "(chosen:" not in step(env, item).observation  # A new visit: nothing chosen yet.
+    obs, _, _, info = step(env, "click[back to search]")
     assert info["page"] == "search" and info["available_actions"] == ["search[<query>]"]
-    env.step(search)
-    env.step(item)
-    env.step(first)
-    env.step(second)
-    result = env.step("click[buy now]")
+    step(env, search)
+    step(env, item)
+    step(env, first)
+    step(env, second)
+    result = step(env, "click[buy now]")
     assert result.reward == 1.0 and result.info["chosen_options"] == dict(task.goal.options)
 
 
 def test_pagination(env, tasks, catalog):
-    env.reset(tasks["train"][0])
+    env.reset(options={"task": tasks["train"][0]})
     hits = [p.asin.lower() for p in catalog.search("size color", 50)]  # 23 products.
-    obs, _, _, info = env.step("search[size color]")
+    obs, _, _, info = step(env, "search[size color]")
     assert obs.startswith('Results for "size color", page 1 of 3 (23 products):')
     listed = [line.split("]")[0][1:] for line in obs.splitlines()[1:-1]]
     assert listed == hits[:RESULTS_PER_PAGE]
     assert obs.splitlines()[-1] == "Buttons: [back to search] [next >]"
     assert "click[< prev]" not in info["available_actions"]
-    obs = env.step("click[next >]").observation
+    obs = step(env, "click[next >]").observation
     assert "page 2 of 3" in obs and obs.splitlines()[-1].endswith("[< prev] [next >]")
     assert [line.split("]")[0][1:] for line in obs.splitlines()[1:-1]] == hits[10:20]
-    obs, _, _, info = env.step("click[next >]")
+    obs, _, _, info = step(env, "click[next >]")
     assert "page 3 of 3" in obs and len(obs.splitlines()) == 2 + 3  # 3 products on the last page.
     assert "click[next >]" not in info["available_actions"]
-    obs, reward, _, info = env.step("click[next >]")  # No fourth page.
-    assert info["invalid"] and reward == -PENALTY and "page 3 of 3" in obs
-    env.step(f"click[{hits[21]}]")
-    obs = env.step("click[< prev]").observation  # Back to the page the item was on.
+    obs, reward, _, info = step(env, "click[next >]")  # No fourth page.
+    assert info["invalid_action"] and reward == -PENALTY and "page 3 of 3" in obs
+    step(env, f"click[{hits[21]}]")
+    obs = step(env, "click[< prev]").observation  # Back to the page the item was on.
     assert "page 3 of 3" in obs
-    assert "page 2 of 3" in env.step("click[< prev]").observation
-    env.step("click[back to search]")
-    obs = env.step("search[zzzz qqqq]").observation
+    assert "page 2 of 3" in step(env, "click[< prev]").observation
+    step(env, "click[back to search]")
+    obs = step(env, "search[zzzz qqqq]").observation
     assert obs == 'No products match "zzzz qqqq".\nButtons: [back to search]'
 
 
@@ -456,10 +457,10 @@ def test_walkthrough_pages_to_a_product_listed_late(env, tasks, catalog):
         *[f"click[{v}]" for v in values],
         "click[buy now]",
     )
-    env.reset(dataclasses.replace(task, goal=goal, walkthrough=actions))
+    env.reset(options={"task": dataclasses.replace(task, goal=goal, walkthrough=actions)})
     for action in actions:
-        result = env.step(action)
-        assert not result.info["invalid"], (action, result.observation)
+        result = step(env, action)
+        assert not result.info["invalid_action"], (action, result.observation)
     assert result.reward == 1.0 and result.info["won"]
 
 
@@ -480,20 +481,20 @@ def test_walkthrough_pages_to_a_product_listed_late(env, tasks, catalog):
 )
 def test_malformed_and_unavailable_actions(env, tasks, action, page, reason):
     task = two_option_task(tasks)
-    env.reset(task)
+    env.reset(options={"task": task})
     steps = {"search": 0, "results": 1, "item": 2}[page]
     before = None
     for a in task.walkthrough[:steps]:
-        before = env.step(a)
-    obs, reward, done, info = env.step(action)
+        before = step(env, a)
+    obs, reward, done, info = step(env, action)
     head = obs.splitlines()[0]
     assert head.startswith("Invalid action: ") and reason in head and "Valid here: " in head
-    assert reward == -PENALTY and not done and info["invalid"] and info["page"] == page
+    assert reward == -PENALTY and not done and info["invalid_action"] and info["page"] == page
     if before is not None:  # The page is shown again, unchanged.
         assert obs.split("\n", 1)[1] == before.observation
         assert info["available_actions"] == before.info["available_actions"]
     for a in task.walkthrough[steps:]:  # Nothing changed: the walkthrough still wins.
-        result = env.step(a)
+        result = step(env, a)
     assert result.reward == 1.0 and result.info["won"]
 
 
@@ -515,20 +516,20 @@ def test_parse_action(raw, expected):
 def test_partial_purchase_and_step_limit(tasks):
     task = two_option_task(tasks)
     with WebShopEnv(max_steps=3) as env:
-        env.reset(task)
-        env.step(task.walkthrough[0])
-        env.step(task.walkthrough[1])
-        obs, reward, done, info = env.step("click[buy now]")  # No option chosen.
+        env.reset(options={"task": task})
+        step(env, task.walkthrough[0])
+        step(env, task.walkthrough[1])
+        obs, reward, done, info = step(env, "click[buy now]")  # No option chosen.
         n = len(task.goal.attributes)
         assert reward == pytest.approx((n + 0 + 1) / (n + 2 + 1)) and done and not info["won"]
         assert info["score"]["r_option"] == 0.0 and obs.startswith("You bought item")
         assert info["steps"] == 3 and not info["truncated"]  # Bought on the last step.
         with pytest.raises(RuntimeError, match="after the episode"):
-            env.step("click[buy now]")
-        env.reset(task)
-        env.step(task.walkthrough[0])
-        env.step("click[< prev]")  # Invalid: no penalty by default.
-        obs, reward, done, info = env.step(task.walkthrough[1])
+            step(env, "click[buy now]")
+        env.reset(options={"task": task})
+        step(env, task.walkthrough[0])
+        step(env, "click[< prev]")  # Invalid: no penalty by default.
+        obs, reward, done, info = step(env, task.walkthrough[1])
         assert done and info["truncated"] and not info["won"] and reward == 0.0
         assert info["steps"] == 3
 
@@ -536,14 +537,14 @@ def test_partial_purchase_and_step_limit(tasks):
 def test_misuse_and_constructor_checks(tasks):
     env = WebShopEnv()
     with pytest.raises(RuntimeError, match="before reset"):
-        env.step("search[x]")
+        step(env, "search[x]")
     with pytest.raises(TypeError, match="WebShopTask"):
-        env.reset(base.Task(task_id="x"))
+        env.reset(options={"task": base.Task(task_id="x")})
     stray = dataclasses.replace(
         tasks["test"][0], goal=dataclasses.replace(tasks["test"][0].goal, asin="B0NOTHERE0")
     )
     with pytest.raises(RuntimeError, match="not in the catalog"):
-        env.reset(stray)
+        env.reset(options={"task": stray})
     for kwargs, message in [
         ({"max_steps": 0}, "max_steps"),
         ({"max_steps": 2.5}, "max_steps"),
@@ -556,24 +557,24 @@ def test_misuse_and_constructor_checks(tasks):
 
 def test_registry_protocol_and_options(tasks, catalog_options):
     env = base.make_env("webshop", max_steps=7, title_chars=20, text_chars=30)
-    assert isinstance(env, WebShopEnv) and isinstance(env, base.Environment)
+    assert isinstance(env, WebShopEnv) and isinstance(env, base.TextEnv)
     assert env.max_steps == 7
     got = base.load_tasks(
         "webshop", str(DATA), "eval", None, split_sizes=SPLIT_SIZES, **catalog_options
     )
     assert got == tasks["eval"] and isinstance(got[0], WebShopTask)
     task = two_option_task(tasks)
-    env.reset(task)
-    obs = env.step(task.walkthrough[0]).observation
+    env.reset(options={"task": task})
+    obs = step(env, task.walkthrough[0]).observation
     for line in obs.splitlines()[1:-1]:
         title = line.split("] ", 1)[1].rsplit(" $", 1)[0]
         assert len(title) <= 20
-    env.step(task.walkthrough[1])
-    assert len(env.step("click[description]").observation.splitlines()[0]) <= 30 + 40
+    step(env, task.walkthrough[1])
+    assert len(step(env, "click[description]").observation.splitlines()[0]) <= 30 + 40
     # show_goal_every_page repeats the instruction on later pages.
     loud = WebShopEnv(show_goal_every_page=True)
-    loud.reset(task)
-    assert loud.step(task.walkthrough[0]).observation.startswith("Your task is to: ")
+    loud.reset(options={"task": task})
+    assert step(loud, task.walkthrough[0]).observation.startswith("Your task is to: ")
     # preload reads the catalog in the constructor (an error names the file it misses).
     WebShopEnv(preload=True, data_root=str(DATA), **catalog_options)
     with pytest.raises(FileNotFoundError, match="items_shuffle_1000"):
@@ -582,17 +583,17 @@ def test_registry_protocol_and_options(tasks, catalog_options):
 
 def test_copies_continue_independently(env, tasks):
     task = two_option_task(tasks)
-    env.reset(task)
+    env.reset(options={"task": task})
     for a in task.walkthrough[:2]:
-        env.step(a)
+        step(env, a)
     clone = copy.deepcopy(env)
     assert clone._catalog is env._catalog  # Shared, not copied.
     restored = pickle.loads(pickle.dumps(env))
     assert len(pickle.dumps(env)) < 20_000
     rest = task.walkthrough[2:]
-    expected = [tuple(env.step(a)) for a in rest]
-    assert [tuple(clone.step(a)) for a in rest] == expected
-    assert [tuple(restored.step(a)) for a in rest] == expected
+    expected = [tuple(step(env, a)) for a in rest]
+    assert [tuple(step(clone, a)) for a in rest] == expected
+    assert [tuple(step(restored, a)) for a in rest] == expected
 
 
 # --- Sandboxes -----------------------------------------------------------------------------------
@@ -601,8 +602,8 @@ def test_copies_continue_independently(env, tasks):
 def _reference(task, actions):
     """(observation, reward, done, info) of `actions` from a fresh reset (the replay reference)."""
     with WebShopEnv(max_steps=15, invalid_action_penalty=PENALTY) as fresh:
-        first = fresh.reset(task)
-        return first, [tuple(fresh.step(a)) for a in actions]
+        first = fresh.reset(options={"task": task})
+        return first, [tuple(step(fresh, a)) for a in actions]
 
 
 @pytest.mark.parametrize("backend_name", ["fork", "inprocess", "replay"])

@@ -1,4 +1,5 @@
-"""ALFWorld household text games (Shridhar et al., ICLR 2021), registered as env "alfworld".
+"""ALFWorld household text games (Shridhar et al., ICLR 2021): gymnasium id
+`bpo_jax/ALFWorld-v0`, short name "alfworld".
 
 Example:
     from envs.alfworld import load_tasks
@@ -6,7 +7,7 @@ Example:
 
     tasks = load_tasks(None, "valid_unseen")  # data root from $ALFWORLD_DATA
     env = make_env("alfworld", max_steps=50)
-    observation, info = env.reset(tasks[0])
+    observation, info = env.reset(options={"task": tasks[0]})
 """
 
 from envs.alfworld.data import (
@@ -20,13 +21,6 @@ from envs.alfworld.data import (
     task_type_of,
 )
 from envs.alfworld.env import NOTHING_HAPPENS, AlfworldEnv, normalize_action
-from envs.base import register_task_loader
-
-
-@register_task_loader("alfworld")
-def _load(data_root, split, task_types=None, **options):
-    return load_tasks(data_root, split, task_types=task_types, **options)
-
 
 __all__ = [
     "DATA_ENV_VAR",

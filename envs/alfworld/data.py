@@ -17,6 +17,7 @@ import os
 import pathlib
 import random
 
+from envs import base
 from envs.base import Task
 
 __all__ = [
@@ -75,11 +76,7 @@ class AlfworldTask(Task):
 
 
 def resolve_data_root(root: str | os.PathLike[str] | None = None) -> pathlib.Path:
-    """Finds the ALFWorld data root.
-
-    Args:
-        root: Explicit data root. If None, `$ALFWORLD_DATA` is used, else alfworld's default
-            cache folder `~/.cache/alfworld`.
+    """Finds the ALFWorld data root: `root`, else `$ALFWORLD_DATA`, else `~/.cache/alfworld`.
 
     Returns:
         The resolved root; it contains a `json_2.1.1` folder.
@@ -87,23 +84,14 @@ def resolve_data_root(root: str | os.PathLike[str] | None = None) -> pathlib.Pat
     Raises:
         FileNotFoundError: If the chosen root does not exist or has no `json_2.1.1` folder.
     """
-    if root is not None:
-        source = "the data-root argument"
-    elif os.environ.get(DATA_ENV_VAR):
-        root, source = os.environ[DATA_ENV_VAR], f"${DATA_ENV_VAR}"
-    else:
-        root, source = DEFAULT_DATA_ROOT, f"alfworld's default ({DATA_ENV_VAR} is unset)"
-    path = pathlib.Path(root).expanduser().resolve()
-    if not path.is_dir():
-        raise FileNotFoundError(
-            f"ALFWorld data root {str(path)!r} (from {source}) does not exist. {_GET_DATA_HINT}"
-        )
-    if not (path / _GAMES_DIR).is_dir():
-        raise FileNotFoundError(
-            f"ALFWorld data root {str(path)!r} (from {source}) has no {_GAMES_DIR}/ folder. "
-            f"{_GET_DATA_HINT}"
-        )
-    return path
+    return base.resolve_data_root(
+        root,
+        env_var=DATA_ENV_VAR,
+        default=DEFAULT_DATA_ROOT,
+        label="ALFWorld data root",
+        hint=_GET_DATA_HINT,
+        marker=_GAMES_DIR,
+    )
 
 
 def task_type_of(folder_name: str) -> str | None:

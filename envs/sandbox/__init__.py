@@ -16,19 +16,16 @@ Example:
         pool.release(handle)
 """
 
+from envs.sandbox.backend import SandboxBackend, known_backends, make_backend, register_backend
 from envs.sandbox.base import (
     BackendUnavailableError,
     HandleError,
     Sandbox,
-    SandboxBackend,
     SandboxError,
     SandboxFault,
     SnapshotHandle,
     SnapshotLimitError,
     SnapshotUnsupportedError,
-    known_backends,
-    make_backend,
-    register_backend,
 )
 
 __all__ = [

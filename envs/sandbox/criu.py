@@ -31,17 +31,16 @@ import tempfile
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from envs.registry import preload_for
 from envs.sandbox import procutil
+from envs.sandbox.backend import SandboxBackend, register_backend
 from envs.sandbox.base import (
     BackendUnavailableError,
     Sandbox,
-    SandboxBackend,
     SandboxError,
     SandboxFault,
     SnapshotHandle,
     SnapshotUnsupportedError,
-    default_preload,
-    register_backend,
 )
 from envs.sandbox.remote import Remote, RemoteSandbox
 from envs.sandbox.worker import worker_environ
@@ -158,7 +157,7 @@ class CriuBackend(SandboxBackend):
     Args:
         env_name, env_kwargs, step_timeout_s, reset_timeout_s, max_snapshots, snapshot_policy:
             See `SandboxBackend`.
-        preload: Modules the template worker imports (default `default_preload(env_name)`).
+        preload: Modules the template worker imports (default `preload_for(env_name)`).
         network_namespace: Give every sandbox its own network namespace (loopback only). Needed
             for envs that run servers or hold sockets, so that copies do not clash on ports.
         image_dir: Where image folders go (default: a new folder on /dev/shm). Folders left
@@ -189,7 +188,7 @@ class CriuBackend(SandboxBackend):
         self.network_namespace = network_namespace
         self.keep_logs = keep_logs
         self.log_level = log_level
-        self.preload = tuple(default_preload(env_name) if preload is None else preload)
+        self.preload = tuple(preload_for(env_name) if preload is None else preload)
         base = image_dir or ("/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir())
         _remove_orphaned_roots(base)
         self._root = tempfile.mkdtemp(prefix=f"{_ROOT_PREFIX}{os.getpid()}-", dir=base)

@@ -74,7 +74,7 @@ def _run_worker(rfd: int, wfd: int) -> None:
     tempfile.tempdir = None
     try:
         from envs.base import make_env
-        from envs.sandbox.base import import_modules
+        from envs.sandbox.backend import import_modules
 
         import_modules(preload)
         env = make_env(env_name, **env_kwargs)

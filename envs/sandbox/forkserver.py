@@ -18,17 +18,16 @@ import sys
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from envs.registry import preload_for
 from envs.sandbox import procutil
+from envs.sandbox.backend import SandboxBackend, register_backend
 from envs.sandbox.base import (
     BackendUnavailableError,
     Sandbox,
-    SandboxBackend,
     SandboxError,
     SandboxFault,
     SnapshotHandle,
     SnapshotUnsupportedError,
-    default_preload,
-    register_backend,
 )
 from envs.sandbox.remote import Remote, RemoteCall, RemoteSandbox, wait_all
 from envs.sandbox.worker import worker_environ
@@ -60,7 +59,7 @@ class ForkBackend(SandboxBackend):
         env_name, env_kwargs, step_timeout_s, reset_timeout_s, max_snapshots, snapshot_policy:
             See `SandboxBackend`.
         preload: Modules the zygote imports before creating the env (default:
-            `base.default_preload(env_name)`), so that workers start with them imported.
+            `envs.registry.preload_for(env_name)`), so that workers start with them imported.
     """
 
     def __init__(
@@ -73,7 +72,7 @@ class ForkBackend(SandboxBackend):
     ):
         super().__init__(env_name, env_kwargs, **options)
         if preload is None:
-            preload = default_preload(env_name)
+            preload = preload_for(env_name)
         ours, theirs = socket.socketpair()
         try:
             self._zygote_proc = subprocess.Popen(
@@ -225,9 +224,6 @@ class ForkBackend(SandboxBackend):
         except subprocess.TimeoutExpired:
             self._zygote_proc.send_signal(signal.SIGKILL)
             self._zygote_proc.wait()
-
-    def zygote_pid(self) -> int:
-        return self._zygote_proc.pid
 
     def process_count(self) -> int:
         """Processes below the zygote (workers, frozen copies, their children)."""

@@ -12,12 +12,8 @@ import copy
 import pickle
 from typing import Any
 
-from envs.sandbox.base import (
-    Sandbox,
-    SnapshotHandle,
-    SnapshotUnsupportedError,
-    register_backend,
-)
+from envs.sandbox.backend import register_backend
+from envs.sandbox.base import Sandbox, SnapshotHandle, SnapshotUnsupportedError
 from envs.sandbox.local import LocalBackend, LocalSandbox
 
 __all__ = ["InProcessBackend"]

@@ -10,16 +10,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from envs.base import StepResult, Task, make_env
-from envs.sandbox.base import (
-    Call,
-    DoneCall,
-    Sandbox,
-    SandboxBackend,
-    SandboxFault,
-    default_preload,
-    import_modules,
-)
+from envs.base import StepResult, Task, make_env, reset_to, step_result
+from envs.registry import preload_for
+from envs.sandbox.backend import SandboxBackend, import_modules
+from envs.sandbox.base import Call, DoneCall, Sandbox, SandboxFault
 
 __all__ = ["LocalBackend", "LocalSandbox"]
 
@@ -37,7 +31,7 @@ class LocalSandbox(Sandbox):
         self._check_open()
 
         def run() -> tuple[str, dict[str, Any]]:
-            observation, info = self._guard("reset", lambda: self.env.reset(task))
+            observation, info = self._guard("reset", lambda: reset_to(self.env, task))
             self._after_reset(task)
             self.actions = []
             self.last_observation = observation
@@ -49,7 +43,7 @@ class LocalSandbox(Sandbox):
         self._check_open()
 
         def run() -> StepResult:
-            result = StepResult(*self._guard("step", lambda: self.env.step(action)))
+            result = self._guard("step", lambda: step_result(self.env, action))
             self._after_step(result)
             self.actions.append(action)
             self.last_observation = result.observation
@@ -71,13 +65,14 @@ class LocalBackend(SandboxBackend):
     """Base of the in-process backends: creates env objects in this process.
 
     Args:
-        preload: Modules to import before creating envs (default `default_preload(env_name)`).
+        preload: Modules to import before creating envs (default:
+            `envs.registry.preload_for(env_name)`).
         Other arguments: see `SandboxBackend`.
     """
 
     def __init__(self, env_name: str, env_kwargs: Any = None, *, preload: Any = None, **options):
         super().__init__(env_name, env_kwargs, **options)
-        import_modules(default_preload(env_name) if preload is None else tuple(preload))
+        import_modules(preload_for(env_name) if preload is None else tuple(preload))
 
     def _make_env(self) -> Any:
         return make_env(self.env_name, **self.env_kwargs)

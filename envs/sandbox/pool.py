@@ -7,11 +7,11 @@ flight at a time; as one finishes the next is sent.
 
 Faults: a sandbox whose worker crashes, hangs past its timeout, sends garbage, or whose env
 raises, is killed (with its whole process group or namespace) and closed. In `step_many` its
-result is `StepResult("", 0.0, True, {"truncated": True, "won": False, "error": reason,
-"fault": kind})`, and the rest of the batch is unaffected. Resets are retried once on a fresh
-sandbox after a crash, hang or garbage; if that fails too, `reset_many` closes the sandboxes it
-made and raises `SandboxFault`. `stats()` counts faults by kind and `faults()` lists the recent
-ones.
+result is `StepResult("", 0.0, True, {"truncated": True, "won": False, "invalid_action": False,
+"error": reason, "fault": kind})`, and the rest of the batch is unaffected. Resets are retried
+once on a fresh sandbox after a crash, hang or garbage; if that fails too, `reset_many` closes
+the sandboxes it made and raises `SandboxFault`. `stats()` counts faults by kind and `faults()`
+lists the recent ones.
 
 Bounded memory: `max_snapshots` caps the snapshots held at once; `snapshot_policy="error"`
 raises `SnapshotLimitError` when a new one would exceed it, `"evict_oldest"` releases the oldest
@@ -42,14 +42,8 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from envs.base import StepResult, Task
-from envs.sandbox.base import (
-    Call,
-    Sandbox,
-    SandboxError,
-    SandboxFault,
-    SnapshotHandle,
-    make_backend,
-)
+from envs.sandbox.backend import make_backend
+from envs.sandbox.base import Call, Sandbox, SandboxError, SandboxFault, SnapshotHandle
 from envs.sandbox.remote import wait_some
 
 __all__ = ["SandboxPool", "faulted_step_result"]
@@ -60,7 +54,14 @@ _RETRIED_KINDS = ("crash", "timeout", "garbage")
 
 def faulted_step_result(fault: SandboxFault) -> StepResult:
     """The step result a faulted sandbox yields: an empty, truncated end of episode."""
-    info = {"truncated": True, "won": False, "error": fault.reason, "fault": fault.kind}
+    # The info contract's keys (envs.base) hold here too: the agent did nothing invalid.
+    info = {
+        "truncated": True,
+        "won": False,
+        "invalid_action": False,
+        "error": fault.reason,
+        "fault": fault.kind,
+    }
     return StepResult("", 0.0, True, info)
 
 
@@ -68,7 +69,10 @@ class SandboxPool:
     """Many sandboxes of one environment configuration behind integer ids.
 
     Args:
-        env_name: Environment name (`envs.base.make_env`).
+        env_name: The environment, as `envs.base.make_env` names it: a short name ("alfworld"),
+            a gymnasium id ("bpo_jax/ALFWorld-v0", or a user's registered one) or an entry
+            point ("package.module:ClassName") of a gymnasium env over text. Workers import
+            the class's module and its `preload_modules` first (`envs.registry.preload_for`).
         env_kwargs: The environment's constructor kwargs.
         backend: Snapshot backend: "fork" (default), "criu", "inprocess" or "replay".
         num_workers: Most requests in flight at once in the batched calls (default: twice the

@@ -12,7 +12,8 @@ import dataclasses
 import sys
 
 from envs.base import Task
-from envs.sandbox.base import Sandbox, SandboxError, SnapshotHandle, register_backend
+from envs.sandbox.backend import register_backend
+from envs.sandbox.base import Sandbox, SandboxError, SnapshotHandle
 from envs.sandbox.local import LocalBackend, LocalSandbox
 
 __all__ = ["ReplayBackend"]

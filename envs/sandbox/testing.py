@@ -5,7 +5,7 @@
 - `sandbox_shell` (`ShellCounterEnv`): the state lives in a child process (a bash loop that
   counts the lines it reads), so only `criu` and `replay` can snapshot it.
 
-Importing this module registers both names with `envs.base.make_env`.
+Importing this module registers both names with `envs.base.make_env`. Both are `TextEnv`s.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import tempfile
 import time
 from typing import Any
 
-from envs.base import StepResult, Task, register_env
+from envs.base import Task, TextEnv, register_env
 
 __all__ = ["CounterEnv", "CounterTask", "ShellCounterEnv", "FAULT_ACTIONS"]
 
@@ -50,14 +50,8 @@ class CounterTask(Task):
     target: int = 5
 
 
-def _counter_task(task: Task) -> CounterTask:
-    if not isinstance(task, CounterTask):
-        raise TypeError(f"expected a CounterTask, got {type(task).__name__}: {task!r}")
-    return task
-
-
 @register_env("sandbox_counter")
-class CounterEnv:
+class CounterEnv(TextEnv):
     """A counter: actions "inc", "dec", "add N", "double"; see `FAULT_ACTIONS` for misbehaviour.
 
     Test helpers: "alloc MB" holds that much more memory ("free" drops it), "spin S" burns S
@@ -67,30 +61,27 @@ class CounterEnv:
 
     Reward 1.0 on reaching the target (which ends the episode), -0.1 for an unknown action, else
     0. The observation shows the count, the step number and a running hash of all actions, so
-    two different histories give different observations.
+    two different histories give different observations. `reset()` without a task plays
+    `CounterTask("counter")`.
     """
 
-    def __init__(self, max_steps: int = 100):
-        self.max_steps = max_steps
-        self._task: CounterTask | None = None
+    task_class = CounterTask
+
+    def __init__(self, max_steps: int = 100, invalid_action_penalty: float = 0.1):
+        super().__init__(max_steps, invalid_action_penalty, tasks=[CounterTask("counter")])
         self.count = 0
-        self.steps = 0
         self.trace = 0
-        self.done = True
         self.ballast: list[bytearray] = []  # Memory held on purpose ("alloc MB").
         self.servers: list[socket.socket] = []  # Listening sockets ("listen PORT").
         self.ghosts: list[Any] = []  # Deleted files kept open ("ghost MB").
 
-    def reset(self, task: Task) -> tuple[str, dict[str, Any]]:
-        self._task = _counter_task(task)
-        self.count, self.steps, self.trace, self.done = self._task.start, 0, 0, False
+    def _start(self, task: CounterTask) -> tuple[str, dict[str, Any]]:
+        self.count, self.trace = task.start, 0
         self.ballast = []
         self._close_servers()
-        return self._observation("reset"), {"won": False, "truncated": False, "steps": 0}
+        return self._observation("reset"), {"won": False, "invalid_action": False}
 
-    def step(self, action: str | None) -> StepResult:
-        if self._task is None or self.done:
-            raise RuntimeError("CounterEnv.step called before reset or after the episode ended.")
+    def _play(self, action: str | None) -> tuple[str, float, bool, dict[str, Any]]:
         action = (action or "").strip()
         info: dict[str, Any] = {}
         self._misbehave(action, info)
@@ -132,20 +123,15 @@ class CounterEnv:
             self._drain_servers()  # Leave no half-open connection behind (CRIU refuses those).
         elif action not in FAULT_ACTIONS:
             valid = False
-            reward = -0.1
-        self.steps += 1
+            reward = -self.invalid_action_penalty
         self.trace = (self.trace * 31 + sum(action.encode()) + 7) % 1_000_003
         won = self.count == self._task.target
-        truncated = not won and self.steps >= self.max_steps
-        self.done = won or truncated
         if won:
             reward = 1.0
-        info.update(won=won, truncated=truncated, steps=self.steps, invalid=not valid)
-        return StepResult(self._observation(action), reward, self.done, info)
+        info.update(won=won, invalid_action=not valid)
+        return self._observation(action), reward, won, info
 
-    def close(self) -> None:
-        self._task = None
-        self.done = True
+    def _close(self) -> None:
         self._close_servers()
 
     def _drain_servers(self) -> None:
@@ -205,7 +191,7 @@ _SHELL_LOOP = 'n=0; while IFS= read -r line; do n=$((n+1)); echo "$n $line"; don
 
 
 @register_env("sandbox_shell")
-class ShellCounterEnv:
+class ShellCounterEnv(TextEnv):
     """The count lives in a bash child process; the env only forwards actions to it.
 
     Each step sends the action to bash and returns bash's reply ("<lines read> <action>").
@@ -213,12 +199,10 @@ class ShellCounterEnv:
     """
 
     def __init__(self, max_steps: int = 100):
-        self.max_steps = max_steps
+        super().__init__(max_steps, tasks=[Task("shell")])
         self._shell: subprocess.Popen | None = None
-        self.steps = 0
-        self.done = True
 
-    def reset(self, task: Task) -> tuple[str, dict[str, Any]]:
+    def _start(self, task: Task) -> tuple[str, dict[str, Any]]:
         self._stop_shell()
         self._shell = subprocess.Popen(
             ["bash", "-c", _SHELL_LOOP],
@@ -227,32 +211,22 @@ class ShellCounterEnv:
             text=True,
             bufsize=1,
         )
-        self.steps, self.done = 0, False
-        return f"shell ready for {task.task_id}", {"won": False, "truncated": False, "steps": 0}
+        return f"shell ready for {task.task_id}", {"won": False, "invalid_action": False}
 
-    def step(self, action: str | None) -> StepResult:
-        if self._shell is None or self.done:
-            raise RuntimeError("ShellCounterEnv.step called before reset or after the end.")
+    def _play(self, action: str | None) -> tuple[str, float, bool, dict[str, Any]]:
         action = " ".join((action or "").split())
+        assert self._shell is not None
         assert self._shell.stdin is not None and self._shell.stdout is not None
         self._shell.stdin.write(action + "\n")
         self._shell.stdin.flush()
         observation = self._shell.stdout.readline().strip()
         if not observation:
             raise RuntimeError(f"the shell (pid {self._shell.pid}) exited unexpectedly")
-        self.steps += 1
         won = action == "finish"
-        truncated = not won and self.steps >= self.max_steps
-        self.done = won or truncated
-        info = {"won": won, "truncated": truncated, "steps": self.steps}
-        return StepResult(observation, 1.0 if won else 0.0, self.done, info)
+        return observation, 1.0 if won else 0.0, won, {"won": won, "invalid_action": False}
 
-    def shell_pid(self) -> int | None:
-        return None if self._shell is None else self._shell.pid
-
-    def close(self) -> None:
+    def _close(self) -> None:
         self._stop_shell()
-        self.done = True
 
     def _stop_shell(self) -> None:
         if self._shell is not None:
@@ -349,20 +323,21 @@ class AlfworldCase:
 def alfworld_case() -> AlfworldCase:
     """Builds the `AlfworldCase` (two resets of one game, about 10 s; cached)."""
     from envs.alfworld import AlfworldEnv, load_tasks
+    from envs.base import reset_to, step_result
 
     tasks = [t for t in load_tasks(None, "valid_unseen") if len(t.walkthrough) >= 5]
     task = min(tasks, key=lambda t: (len(t.walkthrough), t.task_id))
     prefix, branch_a = list(task.walkthrough[:2]), list(task.walkthrough[2:])
     with AlfworldEnv(max_steps=50) as env:
-        env.reset(task)
-        ref_prefix = [tuple(env.step(a)) for a in prefix]
+        reset_to(env, task)
+        ref_prefix = [tuple(step_result(env, a)) for a in prefix]
         moves = [c for c in ref_prefix[-1][3]["admissible_commands"] if c.startswith("go to")]
         branch_b = [next(m for m in moves if m != branch_a[0]), "look", "inventory"]
-        ref_a = [tuple(env.step(a)) for a in branch_a]
-        env.reset(task)
+        ref_a = [tuple(step_result(env, a)) for a in branch_a]
+        reset_to(env, task)
         for a in prefix:
-            env.step(a)
-        ref_b = [tuple(env.step(a)) for a in branch_b]
+            step_result(env, a)
+        ref_b = [tuple(step_result(env, a)) for a in branch_b]
     assert ref_a[-1][2] and ref_a[-1][1] == 1.0, "the walkthrough should win the game"
     return AlfworldCase(task, prefix, branch_a, branch_b, ref_prefix, ref_a, ref_b)
 
@@ -373,7 +348,8 @@ def check_alfworld_parity(backend_name: str, case: AlfworldCase, **options: Any)
 
     Observations, rewards, done flags and info dicts must equal the fresh-env reference exactly.
     """
-    from envs.sandbox.base import HandleError, make_backend
+    from envs.sandbox.backend import make_backend
+    from envs.sandbox.base import HandleError
 
     with make_backend(backend_name, "alfworld", {"max_steps": 50}, **options) as backend:
         sandbox = backend.new_sandbox()
@@ -432,6 +408,7 @@ def fault_scenario(backend_name: str, **options: Any) -> None:
             result = results[i]
             assert result.observation == "" and result.reward == 0.0 and result.done, result
             assert result.info["truncated"] and result.info["fault"] == kind, result.info
+            assert result.info["invalid_action"] is False, result.info
         assert "did not answer 'step' in 1.5 s" in results[2].info["error"]
         assert "ValueError: CounterEnv was asked to raise" in results[3].info["error"]
         assert "sent garbage" in results[4].info["error"]

@@ -6,8 +6,10 @@ Requests are `(op, args)` frames; replies are one of
 - `("refused", message)`: the request cannot be served here (e.g. an unsupported snapshot); the
   sandbox is fine.
 
-Ops every worker serves: `reset(task)`, `step(action)`, `ping()`; backends add their own (the
-fork server adds `snapshot`). A worker exits when its channel closes (the trainer is gone).
+Ops every worker serves: `reset(task)` and `step(action)` (the env's gymnasium `reset(options=
+{"task": task})` and `step`, reported as `envs.base.step_result` does), and `ping()`; backends
+add their own (the fork server adds `snapshot`). A worker exits when its channel closes (the
+trainer is gone).
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import traceback
 from collections.abc import Callable
 from typing import Any
 
-from envs.base import StepResult
+from envs.base import reset_to, step_result
 from envs.sandbox import wire
 
 __all__ = [
@@ -74,10 +76,23 @@ _SINGLE_THREAD_VARS = ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREA
 
 
 def worker_environ() -> dict[str, str]:
-    """Environment variables for a worker process: ours, with thread pools of one unless set."""
+    """Environment variables for a worker process: ours, with thread pools of one unless set.
+
+    `PYTHONPATH` gets this process's import path, so that a worker imports every module the
+    trainer can (a user's env found through a path the trainer added, e.g. by pytest).
+    """
     environ = dict(os.environ)
     for name in _SINGLE_THREAD_VARS:
         environ.setdefault(name, "1")
+    # The interpreter's own folders (stdlib, site-packages) are on every worker's path already.
+    own = tuple({sys.prefix, sys.base_prefix, sys.exec_prefix})
+    ours = [
+        os.path.abspath(p)
+        for p in sys.path
+        if p and os.path.isdir(p) and not os.path.abspath(p).startswith(own)
+    ]
+    given = [p for p in environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    environ["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(given + ours))
     return environ
 
 
@@ -123,12 +138,10 @@ def serve(
             return
         try:
             if op == "step":
-                result = env.step(*args)
-                value = StepResult(*result) if not isinstance(result, StepResult) else result
                 # Plain tuple on the wire: cheaper, and the trainer rebuilds the StepResult.
-                value = (value.observation, float(value.reward), bool(value.done), value.info)
+                value = tuple(step_result(env, *args))
             elif op == "reset":
-                value = env.reset(*args)
+                value = reset_to(env, *args)
             elif op == "ping":
                 value = os.getpid()
             elif op == "exit":

@@ -1,4 +1,5 @@
-"""Repository repair in the SWE-bench instance schema, registered as env "swe".
+"""Repository repair in the SWE-bench instance schema: gymnasium id `bpo_jax/RepoRepair-v0`, short
+name "swe".
 
 - Tasks: `python -m envs.swe.build --out DIR` builds them from PyPI packages (bugs injected into
   their functions, checked against their own test suites); `load_tasks(DIR, split)` lists them.
@@ -13,12 +14,11 @@ Example:
 
     tasks = load_tasks(None, "train")  # data root from $SWE_TASKS_DIR
     env = make_env("swe", max_steps=30)
-    observation, info = env.reset(tasks[0])
+    observation, info = env.reset(options={"task": tasks[0]})
     for action in tasks[0].walkthrough:
-        observation, reward, done, info = env.step(action)
+        observation, reward, terminated, truncated, info = env.step(action)
 """
 
-from envs.base import register_task_loader
 from envs.swe.data import (
     DATA_ENV_VAR,
     DEFAULT_DATA_ROOT,
@@ -31,12 +31,6 @@ from envs.swe.data import (
 from envs.swe.env import SweEnv
 from envs.swe.jail import JailUnavailableError, Limits, run_harness, run_in_jail
 from envs.swe.tools import HELP
-
-
-@register_task_loader("swe")
-def _load(data_root, split, task_types=None, **options):
-    return load_tasks(data_root, split, task_types=task_types, **options)
-
 
 __all__ = [
     "DATA_ENV_VAR",

@@ -25,6 +25,7 @@ import pathlib
 import random
 from typing import Any
 
+from envs import base
 from envs.base import Task
 
 __all__ = [
@@ -177,25 +178,20 @@ def task_to_instance(task: SweTask) -> dict[str, Any]:
 
 
 def resolve_data_root(root: str | os.PathLike[str] | None = None) -> pathlib.Path:
-    """The folder with the built tasks.
+    """The folder with the built tasks: `root`, else `$SWE_TASKS_DIR`, else the default.
 
     Raises:
         FileNotFoundError: If it or its instances file is missing (the message says how to
             build them).
     """
-    if root:
-        source = "the data-root argument"
-    elif os.environ.get(DATA_ENV_VAR):
-        root, source = os.environ[DATA_ENV_VAR], f"${DATA_ENV_VAR}"
-    else:
-        root, source = DEFAULT_DATA_ROOT, f"the default ({DATA_ENV_VAR} is unset)"
-    path = pathlib.Path(root).expanduser().resolve()
-    if not (path / INSTANCES_FILE).is_file():
-        raise FileNotFoundError(
-            f"No built SWE tasks in {str(path)!r} (from {source}): {INSTANCES_FILE} is missing. "
-            f"{_BUILD_HINT}"
-        )
-    return path
+    return base.resolve_data_root(
+        root,
+        env_var=DATA_ENV_VAR,
+        default=DEFAULT_DATA_ROOT,
+        label="SWE tasks folder",
+        hint=_BUILD_HINT,
+        marker=INSTANCES_FILE,
+    )
 
 
 def _split_of(instance_id: str) -> str:

@@ -1,4 +1,5 @@
-"""Repository repair as an `Environment`: fix a bug with file tools and jailed test runs.
+"""Repository repair as a gymnasium env (`bpo_jax/RepoRepair-v0`, "swe"): fix a bug with file
+tools and jailed test runs.
 
 An episode starts from a task's buggy tree (`SweTask`); the agent acts with the tool grammar of
 `envs.swe.tools` and ends it with `submit` (or hits the step limit). Grading runs the task's
@@ -25,9 +26,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from envs.base import StepResult, check_can_step, register_env
+from envs.base import TextEnv
 from envs.swe import tools
-from envs.swe.data import SweTask
+from envs.swe.data import SweTask, load_tasks
 from envs.swe.filetools import FileTools, ToolError
 from envs.swe.grading import describe_refused, graded_files, graded_outcomes
 from envs.swe.jail import JAIL_ROOT, JailResult, Limits, check_jail, run_harness, run_in_jail
@@ -73,20 +74,26 @@ def _shorten(text: str, limit: int) -> str:
     return f"{text[:keep]}\n[... {len(text) - 2 * keep} characters left out ...]\n{text[-keep:]}"
 
 
-@register_env("swe")
-class SweEnv(FileTools):
+class SweEnv(TextEnv, FileTools):
     """One repository-repair episode at a time; see the module docstring.
 
-    Info keys (reset and every step): `won`, `truncated`, `steps`, `invalid`, `action`, `tool`.
+    Info keys besides the common ones (`envs.base`): `action`, `tool`.
     `reset` adds `goal`, `task_id`, `task_type`; a step that grades adds `tests` (how many of
     the FAIL_TO_PASS and PASS_TO_PASS tests pass) and `submitted`.
 
     Example:
         env = SweEnv(max_steps=30)
-        observation, info = env.reset(task)
+        observation, info = env.reset(options={"task": task})
         for action in task.walkthrough:
-            observation, reward, done, info = env.step(action)
+            observation, reward, terminated, truncated, info = env.step(action)
+
+    `reset()` without a task draws one of the `test` tasks (from `$SWE_TASKS_DIR`), or of the
+    constructor's `tasks`.
     """
+
+    task_class = SweTask
+    load_tasks = staticmethod(load_tasks)  # (data_root, split, task_types, **options)
+    default_split = "test"
 
     def __init__(
         self,
@@ -107,6 +114,7 @@ class SweEnv(FileTools):
         max_view_lines: int = 100,
         max_hits: int = 20,
         docker: dict[str, Any] | None = None,
+        tasks: Sequence[SweTask] | None = None,
     ):
         """Creates the env.
 
@@ -124,19 +132,14 @@ class SweEnv(FileTools):
             view_lines: Lines `view` shows without a range; `max_view_lines` with one.
             max_hits: Most lines `search` (and twice as many paths `find`) shows.
             docker: Options of the Docker executor (see `envs.swe.docker.DockerExecutor`).
+            tasks: What `reset()` without a task draws from (default: the `test` split).
 
         Raises:
             ValueError: For an out-of-range argument.
             envs.swe.jail.JailUnavailableError: If executor="jail" cannot run here.
             envs.swe.docker.DockerUnavailableError: If executor="docker" and Docker is missing.
         """
-        if isinstance(max_steps, bool) or not isinstance(max_steps, int) or max_steps < 1:
-            raise ValueError(f"max_steps must be a positive int, got {max_steps!r}.")
-        if not invalid_action_penalty >= 0:
-            raise ValueError(
-                f"invalid_action_penalty must be >= 0 (it is subtracted), got "
-                f"{invalid_action_penalty!r}."
-            )
+        super().__init__(max_steps, invalid_action_penalty, tasks)
         if executor not in _EXECUTORS:
             raise ValueError(f"executor must be one of {_EXECUTORS}, got {executor!r}.")
         for name, value in (
@@ -147,8 +150,6 @@ class SweEnv(FileTools):
         ):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive int, got {value!r}.")
-        self.max_steps = max_steps
-        self.invalid_action_penalty = float(invalid_action_penalty)
         self.observation_chars = observation_chars
         self.view_lines = view_lines
         self.max_view_lines = max_view_lines
@@ -175,14 +176,7 @@ class SweEnv(FileTools):
             self._docker = DockerExecutor(**(docker or {}))
             self.python = python or "python"
 
-        self._task: SweTask | None = None
         self._ws: Workspace | None = None
-        self._steps = 0
-        self._done = True
-
-    @property
-    def task(self) -> SweTask | None:
-        return self._task
 
     @property
     def workspace(self) -> Workspace | None:
@@ -191,23 +185,16 @@ class SweEnv(FileTools):
 
     # Episode ------------------------------------------------------------------------------------
 
-    def reset(self, task: SweTask) -> tuple[str, dict[str, Any]]:
+    def _start(self, task: SweTask) -> tuple[str, dict[str, Any]]:
         """Starts an episode on the task's buggy tree.
 
         Returns:
             The problem statement followed by the tool list, and the info dict.
 
         Raises:
-            TypeError: If `task` is not a `SweTask`.
             FileNotFoundError: If the task's tree is missing (rebuild the tasks).
             ValueError: If the task's bug patch does not apply to its tree.
         """
-        if not isinstance(task, SweTask):
-            raise TypeError(
-                f"SweEnv.reset expects a SweTask (from envs.swe.load_tasks), got "
-                f"{type(task).__name__}: {task!r}."
-            )
-        self._done = True
         if self._docker is not None:
             base = self._docker.prepare(task)
         else:
@@ -227,10 +214,9 @@ class SweEnv(FileTools):
                     "Rebuild the tasks."
                 ) from e
             ws = Workspace(base, {p: None if t is None else t.encode() for p, t in bug.items()})
-        self._task, self._ws = task, ws
-        self._steps, self._done = 0, False
+        self._ws = ws
         observation = f"{task.problem_statement.strip()}\n\n{tools.SHORT_HELP}"
-        info = self._info(won=False, truncated=False, invalid=False, action=None, tool=None)
+        info = self._info(won=False, invalid=False, action=None, tool=None)
         info.update(goal=self.goal(task), task_id=task.task_id, task_type=task.task_type)
         return _shorten(observation, self.observation_chars), info
 
@@ -241,13 +227,8 @@ class SweEnv(FileTools):
         more = f" and {len(names) - 3} more" if len(names) > 3 else ""
         return f"fix {task.task_type} so that {', '.join(names[:3])}{more} pass"
 
-    def step(self, action: str | None) -> StepResult:
-        """Runs one tool call; see the class docstring for rewards and info.
-
-        Raises:
-            RuntimeError: If called before `reset` or after the episode ended.
-        """
-        check_can_step(self, self._ws is not None, self._done, self._task, self._steps)
+    def _play(self, action: str | None) -> tuple[str, float, bool, dict[str, Any]]:
+        """Runs one tool call; see the class docstring for rewards and info."""
         invalid, submitted, tool = False, False, None
         try:
             call = tools.parse_action(action)
@@ -259,16 +240,13 @@ class SweEnv(FileTools):
                 observation = self._run_tool(call)
         except (tools.ToolSyntaxError, PathError, ToolError) as e:
             invalid, observation = True, f"Invalid action: {e}"
-        self._steps += 1
         info_extra: dict[str, Any] = {}
         won = False
-        if submitted or self._steps >= self.max_steps:
+        if submitted or self.last_step:
             won, report, counts = self._grade()
             prefix = "" if submitted else f"{observation}\n\nStep limit reached. "
             observation = prefix + report
             info_extra = {"tests": counts, "submitted": submitted}
-            self._done = True
-        truncated = self._done and not submitted and not won
         if won:
             reward = 1.0
         elif invalid and self.invalid_action_penalty:
@@ -276,27 +254,19 @@ class SweEnv(FileTools):
         else:
             reward = 0.0
         text = (action or "").strip() or None
-        info = self._info(won=won, truncated=truncated, invalid=invalid, action=text, tool=tool)
+        info = self._info(won=won, invalid=invalid, action=text, tool=tool)
         info.update(info_extra)
-        return StepResult(_shorten(observation, self.observation_chars), reward, self._done, info)
+        observation = _shorten(observation, self.observation_chars)
+        return observation, reward, submitted or won, info
 
-    def close(self) -> None:
+    def _close(self) -> None:
         """Ends the episode. Safe to call more than once; the env holds no process or file."""
-        self._done = True
         self._ws = None
 
-    def __enter__(self) -> SweEnv:
-        return self
-
-    def __exit__(self, *exc_info: object) -> None:
-        self.close()
-
-    def _info(self, *, won, truncated, invalid, action, tool) -> dict[str, Any]:
+    def _info(self, *, won, invalid, action, tool) -> dict[str, Any]:
         return {
             "won": won,
-            "truncated": truncated,
-            "steps": self._steps,
-            "invalid": invalid,
+            "invalid_action": invalid,
             "action": action,
             "tool": tool,
         }

@@ -1,4 +1,5 @@
-"""WebShop (Yao et al., NeurIPS 2022) in text mode, registered as env "webshop".
+"""WebShop (Yao et al., NeurIPS 2022) in text mode: gymnasium id `bpo_jax/WebShop-v0`, short
+name "webshop".
 
 Example:
     from envs.webshop import load_tasks
@@ -6,12 +7,11 @@ Example:
 
     tasks = load_tasks(None, "test")  # data root from $WEBSHOP_DATA
     env = make_env("webshop", max_steps=15)
-    observation, info = env.reset(tasks[0])
+    observation, info = env.reset(options={"task": tasks[0]})
     for action in tasks[0].walkthrough:
-        observation, reward, done, info = env.step(action)
+        observation, reward, terminated, truncated, info = env.step(action)
 """
 
-from envs.base import register_task_loader
 from envs.webshop.data import (
     CACHE_ENV_VAR,
     CATALOGS,
@@ -37,12 +37,6 @@ from envs.webshop.tasks import (
     load_tasks,
     walkthrough,
 )
-
-
-@register_task_loader("webshop")
-def _load(data_root, split, task_types=None, **options):
-    return load_tasks(data_root, split, task_types=task_types, **options)
-
 
 __all__ = [
     "CACHE_ENV_VAR",

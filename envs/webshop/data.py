@@ -33,6 +33,7 @@ import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from envs import base
 from envs.webshop.search import SearchIndex
 
 __all__ = [
@@ -168,18 +169,13 @@ def resolve_data_root(root: str | os.PathLike[str] | None = None) -> pathlib.Pat
     Raises:
         FileNotFoundError: If the chosen folder does not exist.
     """
-    if root:
-        source = "the data-root argument"
-    elif os.environ.get(DATA_ENV_VAR):
-        root, source = os.environ[DATA_ENV_VAR], f"${DATA_ENV_VAR}"
-    else:
-        root, source = DEFAULT_DATA_ROOT, f"the default ({DATA_ENV_VAR} is unset)"
-    path = pathlib.Path(root).expanduser().resolve()
-    if not path.is_dir():
-        raise FileNotFoundError(
-            f"WebShop data root {str(path)!r} (from {source}) does not exist. {_GET_DATA_HINT}"
-        )
-    return path
+    return base.resolve_data_root(
+        root,
+        env_var=DATA_ENV_VAR,
+        default=DEFAULT_DATA_ROOT,
+        label="WebShop data root",
+        hint=_GET_DATA_HINT,
+    )
 
 
 def sha256_of(path: str | os.PathLike[str]) -> str:

@@ -1,4 +1,5 @@
-"""WebShop's text mode as an `Environment`: search, results, item pages, buy.
+"""WebShop's text mode as a gymnasium env (`bpo_jax/WebShop-v0`, "webshop"): search, results,
+item pages, buy.
 
 Pages and the actions they take (WebShop's text mode, Yao et al. 2022):
 
@@ -24,10 +25,10 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from envs.base import StepResult, check_can_step, register_env
+from envs.base import TextEnv
 from envs.webshop.data import Catalog, Product, get_catalog, resolve_catalog
 from envs.webshop.scoring import score
-from envs.webshop.tasks import RESULTS_PER_PAGE, SEARCH_RESULTS, WebShopTask
+from envs.webshop.tasks import RESULTS_PER_PAGE, SEARCH_RESULTS, WebShopTask, load_tasks
 
 __all__ = ["WebShopEnv", "parse_action"]
 
@@ -61,15 +62,14 @@ def _clip(text: str, limit: int | None) -> str:
     return text[: max(limit - 3, 0)].rstrip() + "..."
 
 
-@register_env("webshop")
-class WebShopEnv:
-    """One WebShop goal at a time, behind the `envs.base.Environment` protocol.
+class WebShopEnv(TextEnv):
+    """One WebShop goal at a time.
 
     Rewards: the purchase's score (in [0, 1]) on `click[buy now]`, `-invalid_action_penalty` for
     an invalid action, else 0.
 
-    Info keys (from `reset` and every `step`): `won` (bought with reward 1), `truncated`,
-    `steps`, `invalid`, `action` (the normalised action, None at reset), `page`, and
+    Info keys besides the common ones (`envs.base`; `won` is bought with reward 1): `action`
+    (the normalised action, None at reset), `page`, and
     `available_actions` (every valid action on the page; `search[<query>]` stands for any
     search). `reset` adds `goal` (the instruction), `task_id` and `task_type`; the buying step
     adds `purchased` (ASIN), `chosen_options` and `score` (the reward's parts).
@@ -77,13 +77,19 @@ class WebShopEnv:
     Catalogs are read on the first reset that needs them and shared by every env of the
     process (and by processes forked from it). Pass `preload=True` with the catalog options
     to read one in the constructor, e.g. in a fork server before it forks its workers.
+    `reset()` without a task draws one of the `test` goals (catalog from `$WEBSHOP_DATA`), or
+    of the constructor's `tasks`.
 
     Example:
         env = WebShopEnv(max_steps=15)
-        observation, info = env.reset(task)
+        observation, info = env.reset(options={"task": task})
         for action in task.walkthrough:
-            observation, reward, done, info = env.step(action)
+            observation, reward, terminated, truncated, info = env.step(action)
     """
+
+    task_class = WebShopTask
+    load_tasks = staticmethod(load_tasks)  # (data_root, split, task_types, **options)
+    default_split = "test"
 
     def __init__(
         self,
@@ -98,6 +104,7 @@ class WebShopEnv:
         catalog: str = "small",
         products_file: str | None = None,
         cache_dir: str | None = None,
+        tasks=None,
     ):
         """Creates the env.
 
@@ -115,32 +122,22 @@ class WebShopEnv:
             data_root, catalog, products_file, cache_dir: Which catalog to preload; see
                 `envs.webshop.data.resolve_catalog`. Tasks name their own catalog, so these
                 only decide what is read ahead of time.
+            tasks: What `reset()` without a task draws from (default: the `test` split).
 
         Raises:
             ValueError: If an argument is out of range.
         """
-        if isinstance(max_steps, bool) or not isinstance(max_steps, int) or max_steps < 1:
-            raise ValueError(f"max_steps must be a positive int, got {max_steps!r}.")
-        if not invalid_action_penalty >= 0:
-            raise ValueError(
-                f"invalid_action_penalty must be >= 0 (it is subtracted), got "
-                f"{invalid_action_penalty!r}."
-            )
+        super().__init__(max_steps, invalid_action_penalty, tasks)
         for name, value in (("title_chars", title_chars), ("text_chars", text_chars)):
             if value and (not isinstance(value, int) or value < 8):
                 raise ValueError(f"{name} must be None, 0 or an int >= 8, got {value!r}.")
-        self.max_steps = max_steps
-        self.invalid_action_penalty = float(invalid_action_penalty)
         self.title_chars = title_chars or None
         self.text_chars = text_chars or None
         self.show_goal_every_page = bool(show_goal_every_page)
         if preload:
             get_catalog(resolve_catalog(data_root or None, catalog, products_file, cache_dir))
 
-        self._task: WebShopTask | None = None
         self._catalog: Catalog | None = None  # Not copied or pickled: found again by spec.
-        self._done = True
-        self._steps = 0
         self._page = "search"
         self._query = ""
         self._results: list[str] = []  # ASINs of the last search, best first.
@@ -148,49 +145,29 @@ class WebShopEnv:
         self._asin: str | None = None  # The item being looked at.
         self._chosen: dict[str, str] = {}  # Option group -> chosen value on the item page.
 
-    @property
-    def task(self) -> WebShopTask | None:
-        """The task of the current (or last) episode."""
-        return self._task
-
     # Episode ------------------------------------------------------------------------------------
 
-    def reset(self, task: WebShopTask) -> tuple[str, dict[str, Any]]:
+    def _start(self, task: WebShopTask) -> tuple[str, dict[str, Any]]:
         """Starts `task` on the search page.
 
         Raises:
-            TypeError: If `task` is not a `WebShopTask`.
             RuntimeError: If the goal's product is not in the task's catalog.
         """
-        if not isinstance(task, WebShopTask):
-            raise TypeError(
-                f"WebShopEnv.reset expects a WebShopTask (from envs.webshop.load_tasks), got "
-                f"{type(task).__name__}: {task!r}."
-            )
-        self._done = True
         catalog = get_catalog(task.catalog)
         if catalog.get(task.goal.asin) is None:
             raise RuntimeError(
                 f"Task {task.task_id}: its goal product {task.goal.asin} is not in the catalog "
                 f"{task.catalog.products_path!r}; the task was made from another catalog."
             )
-        self._task, self._catalog = task, catalog
-        self._steps = 0
+        self._catalog = catalog
         self._go_search()
-        self._done = False
         observation = f"Your task is to: {task.goal.instruction}\n{self._render()}"
-        info = self._info(won=False, truncated=False, invalid=False, action=None)
+        info = self._info(won=False, invalid=False, action=None)
         info.update(goal=task.goal.instruction, task_id=task.task_id, task_type=task.task_type)
         return observation, info
 
-    def step(self, action: str | None) -> StepResult:
-        """Plays one action; see the module and class docstrings.
-
-        Raises:
-            RuntimeError: If called before `reset` or after the episode ended.
-        """
-        check_can_step(self, True, self._done, self._task, self._steps)
-        self._steps += 1
+    def _play(self, action: str | None) -> tuple[str, float, bool, dict[str, Any]]:
+        """Plays one action; see the module and class docstrings."""
         parsed = parse_action(action)
         normalized = None if parsed is None else f"{parsed[0]}[{parsed[1]}]"
         error = self._why_invalid(action, parsed)
@@ -217,22 +194,9 @@ class WebShopEnv:
             observation = self._render()
         if self.show_goal_every_page and not bought:
             observation = f"Your task is to: {self._task.goal.instruction}\n{observation}"
-        truncated = not bought and self._steps >= self.max_steps
-        self._done = bought or truncated
-        invalid = error is not None
-        info = self._info(won=won, truncated=truncated, invalid=invalid, action=normalized)
+        info = self._info(won=won, invalid=error is not None, action=normalized)
         info.update(extra)
-        return StepResult(observation, float(reward), self._done, info)
-
-    def close(self) -> None:
-        """Ends the episode. The catalog stays cached for the process."""
-        self._done = True
-
-    def __enter__(self) -> WebShopEnv:
-        return self
-
-    def __exit__(self, *exc_info: object) -> None:
-        self.close()
+        return observation, float(reward), bought, info
 
     def __getstate__(self) -> dict[str, Any]:
         # Copies (the inprocess backend's deepcopy, pickling) share the read-only catalog
@@ -404,12 +368,10 @@ class WebShopEnv:
             f"${p.price:.2f}. Score: {reward:.3f} (of 1). The episode is over."
         )
 
-    def _info(self, *, won: bool, truncated: bool, invalid: bool, action: str | None) -> dict:
+    def _info(self, *, won: bool, invalid: bool, action: str | None) -> dict:
         return {
             "won": won,
-            "truncated": truncated,
-            "steps": self._steps,
-            "invalid": invalid,
+            "invalid_action": invalid,
             "action": action,
             "page": self._page,
             "available_actions": self._available_actions(),

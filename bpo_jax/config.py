@@ -20,7 +20,7 @@ from typing import Any, ClassVar
 import jax.numpy as jnp
 
 from bpo_jax.algorithms import ALGORITHMS
-from bpo_jax.branching import BUDGET_UNITS, ENTROPY_REDUCE, SELECTORS
+from bpo_jax.branching import BUDGET_MODES, BUDGET_UNITS, ENTROPY_REDUCE, SELECTORS
 from bpo_jax.estimators import NORMALIZE
 from bpo_jax.forest import STEP_WEIGHTINGS
 from bpo_jax.learner import LOSS_AGGS
@@ -234,6 +234,8 @@ class RolloutSpec(_Spec):
     interval: int = at_least(1)
     budget: float = check(lambda v: v >= 0, "must be >= 0 (0 = auto)")
     budget_unit: str = one_of(lambda: BUDGET_UNITS)
+    budget_mode: str = one_of(lambda: BUDGET_MODES)  # target (spend it) | cap.
+    rate_gain: float = at_least(0)  # Per batch: rate += gain * (1 - spend/budget); 0 = fixed.
 
 
 @dataclasses.dataclass(frozen=True)

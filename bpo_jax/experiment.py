@@ -161,11 +161,18 @@ def base_config(
     c.rollout.entropy_reduce = "first"  # first (unbiased) | mean | max (ablations).
     c.rollout.branch_prob = 0.2  # selector=uniform: branch probability per step.
     c.rollout.interval = 3  # selector=interval: branch every this many steps.
-    # Per-task compute budget of every algorithm's rollouts; 0 = auto: what `group_size`
-    # independent episodes are expected to cost (running mean episode length x tokens per
-    # action, from earlier batches), so BPO and the baselines match compute.
+    # Per-task compute budget of the tree algorithms; 0 = auto: `group_size` times the measured
+    # cost of an independent episode at the current parameters (the mean over recent backbone
+    # episodes: a backbone's own path from the reset is one), so BPO spends what the baselines
+    # spend.
     c.rollout.budget = 0.0
     c.rollout.budget_unit = "tokens"  # tokens (generated) | env_steps.
+    # target: a branch that only partly fits the budget is taken with probability (what fits) /
+    # (its cost), so trees spend the budget on average; cap: never exceed it (under-spends).
+    c.rollout.budget_mode = "target"
+    # After each batch the branch rule's rate (entropy quantile, uniform probability) moves by
+    # gain * (spend/budget - 1), towards spending the budget; 0 keeps the configured rate.
+    c.rollout.rate_gain = 0.1
 
     # Evaluation: greedy episodes before RL (after BC) and at the end.
     c.eval = ml_collections.ConfigDict()

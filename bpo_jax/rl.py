@@ -67,24 +67,38 @@ class RolloutState:
             "lengths": list(self.lengths.lengths),
             "actions": self.costs.actions,
             "tokens": self.costs.tokens,
+            "episode_costs": list(self.costs.episodes),
             "recent_entropies": list(recent) if recent is not None else [],
+            "selector_rate": self.selector.rate(),
         }
 
     def loaded(self, data: dict) -> RolloutState:
         """This (fresh) state with the statistics `dump` wrote added; returns self."""
         self.lengths.lengths.extend(data.get("lengths", []))
         self.costs.record(data.get("actions", 0), data.get("tokens", 0))
+        self.costs.episodes.extend(data.get("episode_costs", []))
+        if data.get("selector_rate") is not None:
+            self.selector.set_rate(data["selector_rate"])
         recent = getattr(self.selector, "recent", None)
         if recent is not None:
             recent.extend(data.get("recent_entropies", []))
         return self
 
     def budget(self, cfg: ExperimentConfig) -> float:
-        """Per-task budget: the configured one, or what `group_size` episodes should cost."""
+        """Per-task budget: the configured one, or `group_size` times the measured cost of an
+        independent episode (before any has been measured: of one of mean length)."""
         if cfg.rollout.budget > 0:
             return float(cfg.rollout.budget)
-        mean_len = self.lengths.mean_length()
-        return cfg.train.group_size * self.costs.of_steps(mean_len)
+        episode = self.costs.mean_episode()
+        if episode is None:
+            episode = self.costs.of_steps(self.lengths.mean_length())
+        return cfg.train.group_size * episode
+
+    def adapt(self, cfg: ExperimentConfig, forest: RolloutForest) -> None:
+        """After a tree batch: moves the branch rule's rate towards spending the budget."""
+        ratios = forest.spend_ratio
+        if cfg.algorithm.branches and cfg.rollout.rate_gain > 0 and ratios.size:
+            self.selector.adjust_rate(float(np.mean(ratios)), cfg.rollout.rate_gain)
 
 
 def tree_spec(cfg: ExperimentConfig, state: RolloutState) -> TreeSpec:
@@ -99,6 +113,7 @@ def tree_spec(cfg: ExperimentConfig, state: RolloutState) -> TreeSpec:
         max_depth=r.max_depth,
         budget=state.budget(cfg),
         budget_unit=r.budget_unit,
+        budget_mode=r.budget_mode,
         entropy_reduce=r.entropy_reduce,
     )
 
@@ -117,6 +132,7 @@ def play_batch(pool, policy, tasks, cfg: ExperimentConfig, state: RolloutState, 
         lengths=state.lengths,
         costs=state.costs,
     )
+    state.adapt(cfg, forest)
     return forest, spec
 
 
@@ -215,6 +231,19 @@ def rollout_metrics(forest: RolloutForest, adv: np.ndarray) -> dict:
         "train/steps_with_signal": float(np.mean(np.abs(adv) > 1e-8)) if adv.size else 0.0,
         "train/faults": sum(leaf.error is not None for leaf in forest.leaves),
         "compute/task_cost_mean": float(np.mean(forest.task_cost)),
+        **spend_metrics(forest),
         "compute/generated_per_leaf": forest.stats.generated_tokens / leaves,
         "compute/prefilled_per_leaf": forest.stats.prefilled_tokens / leaves,
+    }
+
+
+def spend_metrics(forest: RolloutForest) -> dict:
+    """Spent / budget over the batch's tasks (tree algorithms with a finite budget)."""
+    r = forest.spend_ratio
+    if not r.size:
+        return {}
+    return {
+        "compute/spend_ratio": float(np.mean(r)),
+        "compute/spend_ratio_min": float(np.min(r)),
+        "compute/spend_ratio_max": float(np.max(r)),
     }

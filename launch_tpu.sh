@@ -131,7 +131,11 @@ while [ $# -gt 0 ]; do
       fi
       case " $COMMANDS " in
         *" $arg "*) COMMAND=$arg ;;
-        *) usage_error "unknown command '$arg' (expected one of: $COMMANDS)" ;;
+        *)
+          usage_error "unknown command '$arg' (expected one of: $COMMANDS);" \
+            "the old form './$PROG NAME ZONE -- FLAGS' is now" \
+            "'./$PROG --name NAME --zone ZONE run -- FLAGS'"
+          ;;
       esac
       ;;
   esac
@@ -287,6 +291,18 @@ jax_pin() {  # the version requirements.txt names for jax (its == or lower >= bo
 }
 
 # ---- commands -----------------------------------------------------------------------------------
+# worker_cmd RELEASE WHY ARGS...: the remote command running scripts/tpu_worker.sh ARGS from
+# ~/bpo_jax/RELEASE, or failing with one status line saying WHY when that release is not there.
+# shellcheck disable=SC2016  # $w and $(hostname) are for the worker's shell to expand.
+worker_cmd() {
+  local w="\$HOME/bpo_jax/$1/scripts/tpu_worker.sh" why=$2
+  shift 2
+  printf '%s\n' "w=$w" 'if [ ! -f "$w" ]; then' \
+    "  echo \"host-\$(hostname): failed: $why (run: ./$PROG setup)\"" '  exit 3' 'fi'
+  printf 'bash "$w"'
+  printf ' %q' "$@"
+}
+
 cmd_create() {
   if describe; then
     if [ "$DRY_RUN" = 1 ]; then
@@ -357,12 +373,8 @@ cmd_run() {
     RUN_ID="$(date -u +%Y%m%d-%H%M%S)-${sha:0:7}-$(od -An -N2 -tx1 /dev/urandom | tr -d ' \n')"
   fi
   require_ready
-  remote="w=\$HOME/bpo_jax/releases/$sha/scripts/tpu_worker.sh
-if [ ! -f \$w ]; then
-  echo \"host-\$(hostname): failed: release ${sha:0:12} is not set up here (run: ./$PROG setup)\"
-  exit 3
-fi
-bash \$w start --run-id $(printf '%q' "$RUN_ID") --wait $WAIT_S"
+  remote=$(worker_cmd "releases/$sha" "release ${sha:0:12} is not set up here" \
+    start --run-id "$RUN_ID" --wait "$WAIT_S")
   for kv in ${ENVS[@]+"${ENVS[@]}"}; do remote+=" --env $(printf '%q' "$kv")"; done
   remote+=" --"
   for kv in "${TRAIN_ARGS[@]}"; do remote+=" $(printf '%q' "$kv")"; done
@@ -382,10 +394,6 @@ bash \$w start --run-id $(printf '%q' "$RUN_ID") --wait $WAIT_S"
   rm -f "$out"
 }
 
-worker_cmd() {  # worker_cmd SUBCOMMAND ARGS...: the current release's worker script
-  printf '%s %s' "bash" "\$HOME/bpo_jax/current/scripts/tpu_worker.sh"
-  printf ' %q' "$@"
-}
 
 run_id_args() { if [ -n "$RUN_ID" ]; then printf '%s\n' --run-id "$RUN_ID"; fi; }
 
@@ -394,7 +402,7 @@ cmd_logs() {
   while IFS= read -r a; do args+=("$a"); done < <(run_id_args)
   args+=(--lines "$LINES")
   [ "$FOLLOW" = 0 ] || args+=(--follow)
-  ssh_all "$WORKER" "$(worker_cmd logs "${args[@]}")"
+  ssh_all "$WORKER" "$(worker_cmd current "nothing is set up here" logs "${args[@]}")"
 }
 
 cmd_status() {
@@ -402,7 +410,7 @@ cmd_status() {
   while IFS= read -r a; do args+=("$a"); done < <(run_id_args)
   require_ready
   out=$(mktemp)
-  ssh_all all "$(worker_cmd status "${args[@]}")" | tee "$out" || rc=${PIPESTATUS[0]}
+  ssh_all all "$(worker_cmd current "nothing is set up here" status "${args[@]}")" | tee "$out" || rc=${PIPESTATUS[0]}
   if [ "$DRY_RUN" = 0 ]; then
     # status reports, so a host that is not running is not a gcloud failure here.
     check_running "$out" "status${RUN_ID:+ of run $RUN_ID}" 0 || { rm -f "$out"; exit 1; }
@@ -413,7 +421,7 @@ cmd_status() {
 cmd_stop() {
   local args=() a
   while IFS= read -r a; do args+=("$a"); done < <(run_id_args)
-  ssh_all all "$(worker_cmd stop "${args[@]}")"
+  ssh_all all "$(worker_cmd current "nothing is set up here" stop "${args[@]}")"
 }
 
 cmd_delete() {

@@ -127,6 +127,14 @@ cmd_start() {
   if [ -e "$log" ] || [ -e "$pidf" ]; then
     die "run $RUN_ID already exists on this worker ($log); choose another --run-id"
   fi
+  # One trainer per worker: a second one would find the TPU chips taken.
+  if [ -f "$RUNS/LATEST" ]; then
+    local last
+    last=$(cat "$RUNS/LATEST")
+    if alive "$RUNS/$last/host$HOST.pid" "$RUNS/$last/host$HOST.exit"; then
+      die "run $last is still running here (pid $(cat "$RUNS/$last/host$HOST.pid")): stop it first"
+    fi
+  fi
   mkdir -p "$DIR"
   for a in "${envs[@]}"; do
     export "${a?}"

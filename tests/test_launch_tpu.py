@@ -224,6 +224,12 @@ class Slice:
                     pass
 
 
+@pytest.fixture(scope="module")
+def parse_only(tmp_path_factory):
+    """One slice for the tests that only parse arguments (they must call no gcloud at all)."""
+    return Slice(tmp_path_factory.mktemp("parse_only"))
+
+
 @pytest.fixture
 def tpu(tmp_path):
     s = Slice(tmp_path)
@@ -339,6 +345,7 @@ NZ = ["--name", "bpo", "--zone", "z"]
 ARG_ERRORS = [
     ([], "missing command (one of: create setup run logs status stop delete)"),
     ([*NZ, "launch"], "unknown command 'launch'"),
+    (["bpo", "z", "--", "--config=c"], "the old form './launch_tpu.sh NAME ZONE -- FLAGS' is now"),
     (["--zone", "z", "status"], "missing --name"),
     (["--name", "bpo", "status"], "missing --zone"),
     (["--zone", "z", "status", "--name"], "--name needs a value"),
@@ -374,16 +381,17 @@ ARG_ERRORS = [
 
 
 @pytest.mark.parametrize("args,message", ARG_ERRORS, ids=[m[:40] for _, m in ARG_ERRORS])
-def test_argument_errors_name_the_problem_and_exit_2(tpu, args, message):
-    out = tpu.launch(*args)
+def test_argument_errors_name_the_problem_and_exit_2(parse_only, args, message):
+    parse_only.log.unlink(missing_ok=True)
+    out = parse_only.launch(*args)
     assert out.returncode == 2, (out.stdout, out.stderr)
     assert message in out.stderr
     assert out.stderr.startswith("launch_tpu.sh: error: ")
-    assert tpu.calls() == []
+    assert parse_only.calls() == []
 
 
-def test_help_prints_the_usage(tpu):
-    out = tpu.launch("--help")
+def test_help_prints_the_usage(parse_only):
+    out = parse_only.launch("--help")
     assert out.returncode == 0
     assert "Usage: ./launch_tpu.sh --name NAME --zone ZONE" in out.stdout
     assert "set -euo" not in out.stdout
@@ -438,6 +446,11 @@ def test_setup_run_status_logs_stop_and_a_second_release_keeps_the_first_run(tpu
     assert "run r1 already exists on this worker" in reuse.stdout
     assert [_read(log) for log in logs] == before, "a relaunch overwrote a log"
 
+    busy = tpu.on("run", "--run-id", "r2", "--wait", "0", *_train())
+    assert busy.returncode == 1
+    assert "host0: failed: run r1 is still running here (pid" in busy.stdout
+    assert not (tpu.runs(0) / "r2").exists()
+
     stop = tpu.on("stop", "--run-id", "r1")
     assert stop.returncode == 0, stop.stderr
     assert "host0: stopped (pid" in stop.stdout and "host1: stopped (pid" in stop.stdout
@@ -478,6 +491,9 @@ def test_run_reports_a_host_that_died_and_exits_nonzero(tpu):
     status = tpu.on("status")
     assert status.returncode == 1 and "host1: died (exit 1" in status.stdout
 
+    stop = tpu.on("stop")  # the last run: worker 0 stops it, worker 1 says its host died
+    assert "host0: stopped (pid" in stop.stdout and "host1: died (exit 1" in stop.stdout
+
     everywhere = tpu.on("run", "--run-id", "typo", "--wait", "1", *_train("experiments/typo.py"))
     assert everywhere.returncode == 1
     assert "host0: died (exit 1" in everywhere.stdout and "host1: died (exit 1" in everywhere.stdout
@@ -494,6 +510,9 @@ def test_run_needs_the_slice_and_the_release(tpu):
     assert not_setup.returncode == 1
     assert "is not set up here (run: ./launch_tpu.sh setup)" in not_setup.stdout
     assert "0 of 2 hosts running" in not_setup.stderr
+    status = tpu.on("status")
+    assert status.returncode == 1
+    assert "failed: nothing is set up here (run: ./launch_tpu.sh setup)" in status.stdout
 
 
 def test_shellcheck_is_clean():

@@ -263,7 +263,7 @@ ssh_all() {  # ssh_all WORKER COMMAND
   run_cmd gcloud compute tpus tpu-vm ssh "$NAME" "${LOC[@]}" --worker="$1" --command="$2"
 }
 
-# count_running FILE: exits 1 unless FILE holds one "hostK: running" line per worker.
+# check_running FILE WHAT RC: 0 when FILE holds one "host<k>: running" line per worker and RC is 0.
 check_running() {
   local file=$1 what=$2 n
   n=$(grep -cE '^host[^:]*: running' "$file" || true)

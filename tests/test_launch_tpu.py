@@ -481,7 +481,7 @@ def test_run_reports_a_host_that_died_and_exits_nonzero(tpu):
     sha = tpu.git("rev-parse", "HEAD")
     # Worker 1's checkout lost its config: its trainer exits at flag parsing, worker 0's runs.
     (tpu.homes / "host1" / "bpo_jax" / "releases" / sha / "experiments" / "alfworld.py").unlink()
-    run = tpu.on("run", "--run-id", "half", "--wait", "1", *_train())
+    run = tpu.on("run", "--run-id", "half", "--wait", "2", *_train())
     assert run.returncode == 1
     assert "host0: running" in run.stdout
     assert "host1: died (exit 1, run half" in run.stdout
@@ -494,7 +494,7 @@ def test_run_reports_a_host_that_died_and_exits_nonzero(tpu):
     stop = tpu.on("stop")  # the last run: worker 0 stops it, worker 1 says its host died
     assert "host0: stopped (pid" in stop.stdout and "host1: died (exit 1" in stop.stdout
 
-    everywhere = tpu.on("run", "--run-id", "typo", "--wait", "1", *_train("experiments/typo.py"))
+    everywhere = tpu.on("run", "--run-id", "typo", "--wait", "2", *_train("experiments/typo.py"))
     assert everywhere.returncode == 1
     assert "host0: died (exit 1" in everywhere.stdout and "host1: died (exit 1" in everywhere.stdout
     assert "0 of 2 hosts running" in everywhere.stderr

@@ -334,12 +334,13 @@ cmd_setup() {
   if [ "$DRY_RUN" = 1 ]; then
     bundle="${TMPDIR:-/tmp}/bpo_jax-$sha.bundle"
   else
-    bundle="$(mktemp -d)/bpo_jax-$sha.bundle"
+    BUNDLE_DIR=$(mktemp -d)
+    trap 'rm -rf "$BUNDLE_DIR"' EXIT
+    bundle="$BUNDLE_DIR/bpo_jax-$sha.bundle"
   fi
   run_cmd git -C "$HERE" bundle create "$bundle" HEAD
   # A relative scp destination lands in the worker's home folder.
   run_cmd gcloud compute tpus tpu-vm scp "$bundle" "$NAME:bpo_jax-$sha.bundle" "${LOC[@]}" --worker=all
-  [ "$DRY_RUN" = 1 ] || rm -rf "$(dirname "$bundle")"
   remote="set -euo pipefail
 rel=\$HOME/bpo_jax/releases/$sha
 mkdir -p \$HOME/bpo_jax/releases \$HOME/bpo_jax/runs

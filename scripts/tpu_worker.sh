@@ -96,10 +96,13 @@ cmd_setup() {
     echo "host$HOST: python3 has no venv support; installing python3-venv with apt"
     sudo apt-get update -qq && sudo DEBIAN_FRONTEND=noninteractive apt-get install -y -qq python3-venv
   fi
-  bash scripts/setup.sh 2>&1 | sed "s/^/  host$HOST| /"
-  [ "${PIPESTATUS[0]}" = 0 ] || die "scripts/setup.sh failed in $rel"
-  .venv/bin/python -m pip install --quiet "jax[tpu]==$jax_version" 2>&1 | sed "s/^/  host$HOST| /"
-  [ "${PIPESTATUS[0]}" = 0 ] || die "pip install jax[tpu]==$jax_version failed in $rel"
+  if ! bash scripts/setup.sh 2>&1 | sed "s/^/  host$HOST| /"; then
+    die "scripts/setup.sh failed in $rel (its output is above)"
+  fi
+  if ! .venv/bin/python -m pip install --quiet "jax[tpu]==$jax_version" 2>&1 |
+    sed "s/^/  host$HOST| /"; then
+    die "pip install jax[tpu]==$jax_version failed in $rel (its output is above)"
+  fi
   ln -sfn "$rel" "$ROOT/current"
   echo "host$HOST: ready ($rel, jax[tpu]==$jax_version)"
 }

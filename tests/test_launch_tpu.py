@@ -103,7 +103,14 @@ FAKE_PYTHON = """\
 #!/usr/bin/env bash
 # python3 / the venv's python on a fake worker.
 if [ "$1" = -m ] && [ "$2" = venv ]; then mkdir -p "$3/bin" && cp "$0" "$3/bin/python"; exit 0; fi
-if [ "$1" = -m ] && [ "$2" = pip ]; then echo "$*" >> "$HOME/pip.log"; exit 0; fi
+if [ "$1" = -m ] && [ "$2" = pip ]; then
+  echo "$*" >> "$HOME/pip.log"
+  if [ -n "${FAKE_PIP_FAIL:-}" ] && [[ "$*" == *"$FAKE_PIP_FAIL"* ]]; then
+    echo "ERROR: No matching distribution found for $FAKE_PIP_FAIL" >&2
+    exit 1
+  fi
+  exit 0
+fi
 if [ "$1" = -c ]; then echo "jax 0.10.2 flax 0.12.8"; exit 0; fi
 if [ "$1" = -m ] && [ "$2" = bpo_jax.main ]; then
   shift 2
@@ -473,6 +480,18 @@ def test_setup_run_status_logs_stop_and_a_second_release_keeps_the_first_run(tpu
     assert len(run_ids) == 2 and "r1" in run_ids
     new = next(r for r in run_ids if r != "r1")
     assert f"-{sha2[:7]}-" in new and _read(tpu.runs(1) / new / "release").strip() == sha2
+
+
+def test_setup_reports_hosts_that_failed(tpu):
+    tpu.make(workers=2)
+    tpu.env["FAKE_PIP_FAIL"] = "jax[tpu]"
+    setup = tpu.on("setup")
+    assert setup.returncode == 1
+    assert "host1| ERROR: No matching distribution found for jax[tpu]" in setup.stdout
+    assert "host0: failed: pip install jax[tpu]==" in setup.stdout
+    assert "setup: 0 of 2 hosts ready" in setup.stderr
+    assert not (tpu.homes / "host0" / "bpo_jax" / "current").exists()
+    assert not list(tpu.tmp.glob("tmp*/bpo_jax-*.bundle")), "the local bundle was left behind"
 
 
 def test_run_reports_a_host_that_died_and_exits_nonzero(tpu):

@@ -1,13 +1,13 @@
 """launch_tpu.sh against a stand-in `gcloud` on PATH.
 
-The stand-in records every call's argv (one JSON line each) and plays a TPU VM slice: `describe`
-/ `create` / `delete` keep the slice's state in a file; `scp` copies into each worker's home and
-`ssh` runs the command with bash, locally, once per worker, with HOME set to that worker's own
-folder under tmp_path. So `setup` really clones the bundle and runs scripts/setup.sh and
-scripts/tpu_worker.sh there, and `run` really starts a process whose liveness is checked. The only
-other stand-ins are on the workers' PATH: `python3` (whose venv `python` sleeps like a training
-run when its --config file exists and fails like absl when it does not; pip only records its
-arguments) and `curl` (the metadata server's worker number).
+The stand-in (tests/fixtures/launch_tpu/gcloud.py) records every call's argv, one JSON line each,
+and plays a TPU VM slice: `describe` / `create` / `delete` keep the slice's state in a file; `scp`
+copies into each worker's home, and `ssh` runs the command with bash, locally, on every worker at
+once, with HOME set to that worker's own folder under tmp_path. So `setup` really clones the
+bundle and runs scripts/setup.sh and scripts/tpu_worker.sh there, and `run` really starts a
+process whose liveness is checked. The only other stand-ins are on the workers' PATH: `python3`
+(whose venv `python` sleeps like a training run when its --config file exists and fails like absl
+when it does not; pip only records its arguments) and `curl` (the metadata server's worker number).
 """
 
 import json
@@ -30,110 +30,10 @@ SHIPPED = [
     "requirements-dev.txt",
     "pyproject.toml",
 ]
-DESCRIBE_FORMAT = "--format=value(state,acceleratorType,networkEndpoints.len())"
-
-FAKE_GCLOUD = """\
-#!{python}
-import json, os, shutil, subprocess, sys
-from pathlib import Path
-
-args = sys.argv[1:]
-with open(os.environ["FAKE_GCLOUD_LOG"], "a") as f:
-    f.write(json.dumps(args) + "\\n")
-state_dir, homes = Path(os.environ["FAKE_TPU_STATE"]), Path(os.environ["FAKE_TPU_HOMES"])
-assert args[:3] == ["compute", "tpus", "tpu-vm"], args
-verb, rest = args[3], args[4:]
-opts = dict(a[2:].split("=", 1) for a in rest if a.startswith("--") and "=" in a)
-pos = [a for a in rest if not a.startswith("--")]
-name = pos[0].split(":")[0] if verb != "scp" else pos[1].split(":")[0]
-slice_file = state_dir / name
-
-def not_found():
-    sys.stderr.write(f"ERROR: (gcloud.compute.tpus.tpu-vm.{{verb}}) NOT_FOUND: Resource "
-                     f"'projects/p/locations/z/nodes/{{name}}' was not found\\n")
-    sys.exit(1)
-
-def workers():
-    n = json.loads(slice_file.read_text())["workers"]
-    w = opts.get("worker", "0")
-    return range(n) if w == "all" else [int(w)]
-
-if verb == "describe":
-    if os.environ.get("FAKE_DESCRIBE_ERROR"):
-        sys.stderr.write("ERROR: (gcloud.compute.tpus.tpu-vm.describe) PERMISSION_DENIED\\n")
-        sys.exit(1)
-    if not slice_file.exists():
-        not_found()
-    assert "--" + "format=" + opts["format"] == {describe_format!r}, opts
-    s = json.loads(slice_file.read_text())
-    print(f"{{s['state']}}\\t{{s['type']}}\\t{{s['workers']}}")
-elif verb == "create":
-    n = int(os.environ.get("FAKE_TPU_WORKERS", "2"))
-    slice_file.write_text(json.dumps({{"state": "READY", "type": opts["accelerator-type"],
-                                       "workers": n}}))
-elif verb == "delete":
-    if not slice_file.exists():
-        not_found()
-    slice_file.unlink()
-elif verb in ("scp", "ssh"):
-    if not slice_file.exists():
-        not_found()
-    procs = []
-    for k in workers():  # all workers at once, as gcloud does; each one's output in one piece
-        home = homes / f"host{{k}}"
-        home.mkdir(parents=True, exist_ok=True)
-        if verb == "scp":
-            shutil.copy(pos[0], home / pos[1].split(":", 1)[1])
-            continue
-        env = dict(os.environ, HOME=str(home), FAKE_WORKER=str(k),
-                   PATH=os.environ["FAKE_WORKER_BIN"] + ":" + os.environ["PATH"])
-        procs.append(subprocess.Popen(["bash", "-c", opts["command"]], cwd=home, env=env,
-                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT))
-    rc = 0
-    for p in procs:
-        out, _ = p.communicate()
-        sys.stdout.buffer.write(out)
-        rc = max(rc, p.returncode)
-    sys.exit(rc)
-else:
-    sys.exit(f"fake gcloud: unsupported {{args}}")
-"""
-
-FAKE_PYTHON = """\
-#!/usr/bin/env bash
-# python3 / the venv's python on a fake worker.
-if [ "$1" = -m ] && [ "$2" = venv ]; then mkdir -p "$3/bin" && cp "$0" "$3/bin/python"; exit 0; fi
-if [ "$1" = -m ] && [ "$2" = pip ]; then
-  echo "$*" >> "$HOME/pip.log"
-  if [ -n "${FAKE_PIP_FAIL:-}" ] && [[ "$*" == *"$FAKE_PIP_FAIL"* ]]; then
-    echo "ERROR: No matching distribution found for $FAKE_PIP_FAIL" >&2
-    exit 1
-  fi
-  exit 0
-fi
-if [ "$1" = -c ]; then echo "jax 0.10.2 flax 0.12.8"; exit 0; fi
-if [ "$1" = -m ] && [ "$2" = bpo_jax.main ]; then
-  shift 2
-  echo "bpo_jax.main $* (cwd $PWD, ALFWORLD_DATA=${ALFWORLD_DATA:-unset})"
-  cfg=""
-  for a in "$@"; do case "$a" in --config=*) cfg=${a#--config=}; cfg=${cfg%%:*} ;; esac; done
-  if [ ! -f "$cfg" ]; then
-    echo "FATAL Flags parsing error: while parsing --config: config file $cfg not found" >&2
-    exit 1
-  fi
-  exec sleep 60
-fi
-echo "fake python: unsupported $*" >&2
-exit 1
-"""
-
-FAKE_CURL = """\
-#!/usr/bin/env bash
-case "$*" in *agent-worker-number*) echo "$FAKE_WORKER" ;; *) exit 22 ;; esac
-"""
+FAKES = Path(__file__).resolve().parent / "fixtures" / "launch_tpu"
 
 
-def _write_exe(path: Path, text: str) -> None:
+def _install(path: Path, text: str) -> None:
     path.write_text(text)
     path.chmod(0o755)
 
@@ -155,12 +55,11 @@ class Slice:
         bin_dir, worker_bin = tmp / "bin", tmp / "worker_bin"
         bin_dir.mkdir()
         worker_bin.mkdir()
-        _write_exe(
-            bin_dir / "gcloud",
-            FAKE_GCLOUD.format(python=sys.executable, describe_format=DESCRIBE_FORMAT),
+        _install(
+            bin_dir / "gcloud", f'#!/bin/sh\nexec "{sys.executable}" "{FAKES}/gcloud.py" "$@"\n'
         )
-        _write_exe(worker_bin / "python3", FAKE_PYTHON)
-        _write_exe(worker_bin / "curl", FAKE_CURL)
+        _install(worker_bin / "python3", (FAKES / "python3.sh").read_text())
+        _install(worker_bin / "curl", (FAKES / "curl.sh").read_text())
         self.env = dict(
             os.environ,
             PATH=f"{bin_dir}:{os.environ['PATH']}",

@@ -9,9 +9,10 @@ Budget rule. The task's committed spend is what it has spent plus the expected r
 of its live paths; a candidate branch adds the expected cost of its K - 1 new children.
   cap     accept only while committed + extra <= budget (the budget is never exceeded in
           expectation, and so is under-spent: trees ended at 0.81 of it on ALFWorld);
-  target  accept when it fits; when only part of it fits (slack = budget - committed, with
-          0 < slack < extra), accept with probability slack / extra, so that the expected
-          committed spend reaches the budget (randomised rounding, the default).
+  target  accept when it fits; the first time in a batch that a task's candidate only partly
+          fits (slack = budget - committed, 0 < slack < extra), accept it with probability
+          slack / extra and take no further branch for that task after (randomised rounding
+          of the last branch, the default): the expected committed spend is then the budget.
 The coin is the planner's own and every input is known at step t, so whether a node branches
 never depends on its children's outcomes. Candidates of one turn are served in order of their
 rule's score. Across batches `RolloutState.adapt` moves the rule's rate (the entropy quantile,
@@ -53,6 +54,7 @@ class BranchPlanner:
         self.spent = np.zeros((num_tasks,), np.float64)
         self.branches_left: list[int] = []  # Per backbone.
         self.rng = np.random.default_rng(seed)
+        self.rounded = np.zeros((num_tasks,), bool)  # `target`: the task's coin was flipped.
 
     @property
     def online(self) -> bool:
@@ -99,18 +101,23 @@ class BranchPlanner:
         for i in eligible:
             p = live[i]
             extra = (self.spec.num_branches - 1) * self.expected_cost(p.t)
-            if self.branches_left[p.backbone] > 0 and self._accept(committed[p.task], extra):
+            if self.branches_left[p.backbone] > 0 and self._accept(
+                p.task, committed[p.task], extra
+            ):
                 committed[p.task] += extra
                 self.branches_left[p.backbone] -= 1
                 chosen.append(i)
         return chosen
 
-    def _accept(self, committed: float, extra: float) -> bool:
+    def _accept(self, task: int, committed: float, extra: float) -> bool:
+        if self.rounded[task]:
+            return False
         slack = self.spec.budget - committed
         if extra <= slack:
             return True
         if self.spec.budget_mode != "target" or slack <= 0 or not math.isfinite(slack):
             return False
+        self.rounded[task] = True
         return bool(self.rng.random() < slack / extra)
 
     def refund(self, path: LivePath) -> None:

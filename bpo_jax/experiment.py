@@ -120,7 +120,7 @@ def base_config(
 
     # RL.
     c.train = ml_collections.ConfigDict()
-    # grpo | rloo | gigpo | ppo (independent groups) | bpo | treerl (trees); see bpo_jax/algorithms.py.
+    # grpo | rloo | gigpo | ppo (independent groups) | bpo | treerl (trees): bpo_jax/algorithms.py.
     c.train.algo = variants.get("algo", "grpo")
     c.train.iterations = 6 if cpu else 50  # Policy-update iterations (one rollout batch each).
     c.train.tasks_per_iter = 4 if cpu else 16

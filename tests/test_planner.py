@@ -65,10 +65,9 @@ def test_refund_and_charge():
     assert list(p.costs.episodes) == [1.0] and p.lengths.lengths[-1] == 4
 
 
-@pytest.mark.parametrize("mode", ["target", "cap"])
-def test_spend_on_the_exact_mdp(mode):
-    """Backbones cost 3 + 3 env steps; the budget of 8.5 leaves room for part of a branch."""
-    spec = TreeSpec(
+def budget_spec(mode):
+    """Backbones cost 3 + 3 env steps (H = 3); 8.5 leaves room for part of a branch."""
+    return TreeSpec(
         root_group=2,
         num_branches=2,
         branch_budget=2,
@@ -77,6 +76,12 @@ def test_spend_on_the_exact_mdp(mode):
         budget_unit="env_steps",
         budget_mode=mode,
     )
+
+
+@pytest.mark.parametrize("mode", ["target", "cap"])
+def test_spend_on_the_exact_mdp(mode):
+    """Trees spend the budget on average in target mode, and under-spend it in cap mode."""
+    spec = budget_spec(mode)
     selector = make_selector("uniform", branch_prob=0.5, seed=1)
     _, _, forest = sampled_gradients("generic", selector, spec, num_tasks=400, seed=2)
     ratio = forest.spend_ratio
@@ -89,15 +94,7 @@ def test_spend_on_the_exact_mdp(mode):
 
 def test_target_budget_keeps_the_gradient_exact():
     """The acceptance coin and the budget never look at a node's children: still unbiased."""
-    spec = TreeSpec(
-        root_group=2,
-        num_branches=2,
-        branch_budget=2,
-        max_depth=2,
-        budget=8.5,
-        budget_unit="env_steps",
-        budget_mode="target",
-    )
+    spec = budget_spec("target")
     selector = make_selector("uniform", branch_prob=0.5, seed=3)
     grads, exact, forest = sampled_gradients("generic", selector, spec, num_tasks=4000, seed=0)
     assert forest.num_branch_points > 1000

@@ -1,0 +1,182 @@
+"""Hugging Face `tokenizer.json` files (with `tokenizer_config.json` for special tokens)."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import tokenizers
+
+from bpo_jax.tokenizer.base import Tokenizer, _as_id_list, _with_specials
+
+_BOS_GUESSES = ("<|begin_of_text|>", "<s>", "<bos>")
+_EOS_GUESSES = ("<|end_of_text|>", "<|endoftext|>", "</s>", "<eos>", "<|im_end|>")
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    if not path.is_file():
+        return {}
+    with path.open(encoding="utf-8") as f:
+        data = json.load(f)
+    if not isinstance(data, dict):
+        raise ValueError(f"{path} should hold a JSON object, got {type(data).__name__}.")
+    return data
+
+
+def _token_text(value: Any) -> str | None:
+    """Reads a special token written as a string or as an AddedToken dict {"content": ...}."""
+    if value is None or isinstance(value, str):
+        return value
+    if isinstance(value, dict) and isinstance(value.get("content"), str):
+        return value["content"]
+    raise ValueError(f"cannot read a special token from {value!r}; expected a string or dict.")
+
+
+def _as_id_tuple(value: Any) -> tuple[int, ...]:
+    if value is None:
+        return ()
+    if isinstance(value, int):
+        return (value,)
+    if isinstance(value, list) and all(isinstance(v, int) for v in value):
+        return tuple(value)
+    raise ValueError(f"expected a token id or a list of ids, got {value!r}.")
+
+
+class HFTokenizer(Tokenizer):
+    """A Hugging Face `tokenizer.json`, with special tokens read from the files beside it.
+
+    BOS/EOS/PAD are looked up, first hit wins, in `tokenizer_config.json`, then
+    `special_tokens_map.json`, then the ids in `config.json` (and `generation_config.json` for
+    extra stop ids). An explicit `"bos_token": null` means the model has no BOS (Qwen2), even
+    when `config.json` lists a `bos_token_id`. Without any of these files, BOS is taken from what
+    the post-processor prepends, and BOS/EOS from well-known token names.
+
+    Encoding always bypasses the post-processor and adds BOS/EOS itself, so `add_bos=True` gives
+    exactly one BOS whatever the post-processor would have done.
+
+    Args:
+      path: A `tokenizer.json` file, or the directory that holds it.
+
+    Raises:
+      ValueError: If the file is missing, a named special token is not in the vocabulary, or no
+        EOS can be found.
+    """
+
+    def __init__(self, path: str | Path):
+        path = Path(path).expanduser().absolute()
+        json_path = path / "tokenizer.json" if path.is_dir() else path
+        if not json_path.is_file():
+            raise ValueError(
+                f"no Hugging Face tokenizer at {path}; expected a tokenizer.json file or a "
+                "directory containing one."
+            )
+        self.path = json_path
+        self._tok = tokenizers.Tokenizer.from_file(str(json_path))
+        self._vocab_size = max(self._tok.get_vocab(with_added_tokens=True).values()) + 1
+
+        folder = json_path.parent
+        tok_config = _read_json(folder / "tokenizer_config.json")
+        special_map = _read_json(folder / "special_tokens_map.json")
+        model_config = _read_json(folder / "config.json")
+        gen_config = _read_json(folder / "generation_config.json")
+
+        def named(key: str) -> tuple[bool, int | None]:
+            """(found, id) for `<key>_token` in the tokenizer config files."""
+            for name, config in (
+                ("tokenizer_config.json", tok_config),
+                ("special_tokens_map.json", special_map),
+            ):
+                if key + "_token" in config:
+                    text = _token_text(config[key + "_token"])
+                    if text is None:
+                        return True, None
+                    tid = self._tok.token_to_id(text)
+                    if tid is None:
+                        raise ValueError(
+                            f"{folder / name} names {key}_token={text!r}, which is not in the "
+                            f"vocabulary of {json_path}; fix the config or the tokenizer file."
+                        )
+                    return True, tid
+            return False, None
+
+        def guess(candidates: Sequence[str]) -> int | None:
+            for text in candidates:
+                tid = self._tok.token_to_id(text)
+                if tid is not None:
+                    return tid
+            return None
+
+        found, bos = named("bos")
+        if not found:
+            ids = _as_id_tuple(model_config.get("bos_token_id"))
+            bos = ids[0] if ids else self._post_processor_bos()
+            if bos is None:
+                bos = guess(_BOS_GUESSES)
+        self._bos = bos
+
+        config_eos = _as_id_tuple(model_config.get("eos_token_id"))
+        gen_eos = _as_id_tuple(gen_config.get("eos_token_id"))
+        _, eos = named("eos")
+        if eos is None:
+            eos = (config_eos or gen_eos or (None,))[0]
+        if eos is None:
+            eos = guess(_EOS_GUESSES)
+        if eos is None:
+            raise ValueError(
+                f"cannot find an EOS token for {json_path}: add a tokenizer_config.json beside it "
+                'with "eos_token", or a config.json with "eos_token_id".'
+            )
+        self._eos = eos
+        self._stop_ids = tuple(dict.fromkeys((eos, *config_eos, *gen_eos)))
+
+        _, pad = named("pad")
+        if pad is None:
+            ids = _as_id_tuple(model_config.get("pad_token_id"))
+            pad = ids[0] if ids else eos
+        self._pad = pad
+
+    def _post_processor_bos(self) -> int | None:
+        """The special token the post-processor puts first, if any (Llama-3 without configs)."""
+        enc = self._tok.encode("", add_special_tokens=True)
+        if enc.ids and enc.special_tokens_mask[0]:
+            return enc.ids[0]
+        return None
+
+    @property
+    def vocab_size(self) -> int:
+        return self._vocab_size
+
+    @property
+    def bos_id(self) -> int | None:
+        return self._bos
+
+    @property
+    def eos_id(self) -> int:
+        return self._eos
+
+    @property
+    def pad_id(self) -> int:
+        return self._pad
+
+    @property
+    def stop_ids(self) -> tuple[int, ...]:
+        return self._stop_ids
+
+    def encode(self, text: str, add_bos: bool = False, add_eos: bool = False) -> list[int]:
+        ids = self._tok.encode(text, add_special_tokens=False).ids
+        return _with_specials(ids, self._bos, self._eos, add_bos, add_eos)
+
+    def encode_batch(
+        self, texts: Sequence[str], add_bos: bool = False, add_eos: bool = False
+    ) -> list[list[int]]:
+        encs = self._tok.encode_batch(list(texts), add_special_tokens=False)
+        return [_with_specials(e.ids, self._bos, self._eos, add_bos, add_eos) for e in encs]
+
+    def decode(self, ids: Sequence[int] | np.ndarray, skip_special: bool = True) -> str:
+        return self._tok.decode(_as_id_list(ids), skip_special_tokens=skip_special)
+
+    def token_to_id(self, piece: str) -> int | None:
+        return self._tok.token_to_id(piece)

@@ -15,6 +15,11 @@ Rules, chosen by name (`make_selector`):
                 towards high-entropy continuations: a slight bias, kept as an ablation.
   uniform       branch at any step with probability `branch_prob`.
   interval      branch every `interval` steps (t = interval, 2 * interval, ...).
+  action_samples  draw `probes` extra actions at h_t (their tokens count in the budget) and
+                branch where they disagree, ranked by the entropy of the distinct actions they
+                parse to: it sees the consequential choice, not the first token (the verb). The
+                probes are independent of the children, which are drawn afresh, so the K
+                children of a node are still K independent draws from pi(.|h_t).
   posthoc_topk  roll each backbone to the end, then branch at its `branch_budget` highest-entropy
                 steps (biased; needs a snapshot of every backbone step).
 
@@ -69,6 +74,7 @@ class BranchSelector:
     """
 
     online = True
+    probes = 0  # Extra actions the loop samples at h_t for `scores` (0: it passes entropies).
 
     def observe(self, entropies: np.ndarray) -> None:
         """Sees the action entropies of one turn (all live paths)."""
@@ -166,6 +172,35 @@ class IntervalSelector(BranchSelector):
         steps = np.asarray(steps)
         hit = (steps > 0) & (steps % self.interval == 0)
         return np.where(hit, -steps.astype(np.float64), np.nan)  # Earlier steps first.
+
+
+def action_distribution_entropy(actions: list) -> float:
+    """Plug-in entropy (nats) of the empirical distribution of sampled actions (None counts as
+    one more action: nothing parseable)."""
+    if not actions:
+        return 0.0
+    _, counts = np.unique(np.array(["\0" if a is None else a for a in actions]), return_counts=True)
+    p = counts / counts.sum()
+    return float(-(p * np.log(p)).sum())
+
+
+@register_selector("action_samples")
+class ActionSampleSelector(BranchSelector):
+    """Branch where `probes` extra actions sampled at h_t disagree (see the module docstring).
+
+    The loop passes, per path, the entropy of its probes' parsed actions (0 when they all
+    agree); a path is a candidate when it is above `min_entropy`.
+    """
+
+    def __init__(self, probes: int = 4, min_entropy: float = 0.0, **_):
+        if probes < 2:
+            raise ValueError(f"action_samples needs >= 2 probes, got {probes}.")
+        self.probes = int(probes)
+        self.min_entropy = float(min_entropy)
+
+    def scores(self, entropies: np.ndarray, steps: np.ndarray) -> np.ndarray:
+        entropies = np.asarray(entropies, np.float64)
+        return np.where(entropies > self.min_entropy, entropies, np.nan)
 
 
 @register_selector("posthoc_topk")

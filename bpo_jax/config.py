@@ -232,6 +232,7 @@ class RolloutSpec(_Spec):
     entropy_reduce: str = one_of(lambda: ENTROPY_REDUCE)
     branch_prob: float = unit_interval()
     interval: int = at_least(1)
+    probe_samples: int = at_least(2)  # selector=action_samples: extra actions drawn at h_t.
     budget: float = check(lambda v: v >= 0, "must be >= 0 (0 = auto)")
     budget_unit: str = one_of(lambda: BUDGET_UNITS)
     budget_mode: str = one_of(lambda: BUDGET_MODES)  # target (spend it) | cap.

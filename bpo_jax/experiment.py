@@ -155,12 +155,16 @@ def base_config(
     c.rollout.num_branches = 2 if cpu else 4  # K children per branch point (backbone + K - 1).
     c.rollout.branch_budget = 2 if cpu else 4  # Branch points per backbone (its whole subtree).
     c.rollout.max_depth = 2  # Nested branch points on a root-to-leaf path.
-    c.rollout.selector = "entropy"  # entropy | uniform | interval | posthoc_topk (biased).
+    # entropy | action_samples | uniform | interval | posthoc_topk (biased).
+    c.rollout.selector = "entropy"
     c.rollout.entropy_quantile = 0.75  # Branch at or above this running quantile of entropies.
     c.rollout.entropy_window = 512  # Recent action entropies the quantile is taken over.
     c.rollout.entropy_reduce = "first"  # first (unbiased) | mean | max (ablations).
     c.rollout.branch_prob = 0.2  # selector=uniform: branch probability per step.
     c.rollout.interval = 3  # selector=interval: branch every this many steps.
+    # selector=action_samples: extra actions sampled at h_t (their tokens count in the budget);
+    # a step is a candidate where their parsed actions disagree.
+    c.rollout.probe_samples = 4
     # Per-task compute budget of the tree algorithms; 0 = auto: `group_size` times the measured
     # cost of an independent episode at the current parameters (the mean over recent backbone
     # episodes: a backbone's own path from the reset is one), so BPO spends what the baselines

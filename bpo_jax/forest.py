@@ -29,6 +29,7 @@ class ComputeStats:
     snapshots: int = 0  # Held snapshots taken (post-hoc branching keeps one per step).
     restores: int = 0  # Sandboxes forked from held snapshots.
     clones: int = 0  # Live copies of a sandbox (group members, branch children).
+    probe_tokens: int = 0  # Generated to score branch points (`action_samples`; in generated).
 
     def add(self, other: ComputeStats) -> None:
         for f in dataclasses.fields(self):

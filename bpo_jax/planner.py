@@ -75,10 +75,14 @@ class BranchPlanner:
         return self.costs.of_steps(self.lengths.remaining(t))
 
     def may_branch(self, live: list[LivePath]) -> bool:
-        return self.online and any(self._eligible(p) for p in live)
+        return self.online and any(self.eligible(p) for p in live)
 
-    def _eligible(self, p: LivePath) -> bool:
-        return p.depth < self.spec.max_depth and self.branches_left[p.backbone] > 0
+    def eligible(self, p: LivePath) -> bool:
+        """Whether p could branch now: below the depth limit, with branch points left, and its
+        task not closed by the budget (a probe costs tokens: no probes where nothing fits)."""
+        if p.depth >= self.spec.max_depth or self.branches_left[p.backbone] <= 0:
+            return False
+        return not self.rounded[p.task] and self.spent[p.task] < self.spec.budget
 
     def choose(self, live: list[LivePath], entropies: np.ndarray) -> list[int]:
         """Indices into `live` of the paths that branch at this turn (online rules only).
@@ -90,7 +94,7 @@ class BranchPlanner:
             return []
         self.selector.observe(entropies)
         scores = self.selector.scores(entropies, np.array([p.t for p in live]))
-        eligible = [i for i, p in enumerate(live) if not np.isnan(scores[i]) and self._eligible(p)]
+        eligible = [i for i, p in enumerate(live) if not np.isnan(scores[i]) and self.eligible(p)]
         eligible.sort(key=lambda i: -scores[i])
         # Committed spending per task: what it spent before this turn plus what its live paths
         # are expected to spend from this turn's action on.

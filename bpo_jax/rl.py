@@ -55,6 +55,7 @@ class RolloutState:
             window=r.entropy_window,
             branch_prob=r.branch_prob,
             interval=r.interval,
+            probes=r.probe_samples,
             seed=cfg.seed,
         )
         costs = CostModel(r.budget_unit, tokens_per_action=cfg.agent.max_action_tokens / 2)

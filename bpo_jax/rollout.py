@@ -37,6 +37,7 @@ from bpo_jax.branching import (
     BranchSelector,
     CostModel,
     LengthModel,
+    action_distribution_entropy,
     action_entropy,
 )
 from bpo_jax.forest import ComputeStats, RolloutForest, StepRecord, Trajectory
@@ -165,8 +166,36 @@ class _Lockstep:
             child.sid = sid
         return children
 
+    def _probe_scores(self, live: list[LivePath], ctx) -> np.ndarray:
+        """`action_samples` rule: per path, the entropy of `probes` extra actions drawn at h_t
+        (NaN where the path cannot branch). Their tokens are charged to the paths' tasks."""
+        import jax  # Local: keeps this module importable without initialising JAX.
+
+        m = self.planner.selector.probes
+        eligible = [i for i, p in enumerate(live) if self.planner.eligible(p)]
+        scores = np.full((len(live),), np.nan)
+        if not eligible:
+            return scores
+        rows = [i for i in eligible for _ in range(m)]
+        # Its own key: independent of the actions the paths and their children are given.
+        key = jax.random.fold_in(self._key(0), 0x9E3779B1 % 2**31)
+        probes = self.policy.sample(ctx, key, rows=rows, keep_context=True)
+        tokens = sum(len(s.token_ids) for s in probes)
+        self.stats.generated_tokens += tokens
+        self.stats.probe_tokens += tokens
+        for j, i in enumerate(eligible):
+            chunk = probes[j * m : (j + 1) * m]
+            for s in chunk:
+                self.planner.charge(live[i], len(s.token_ids))
+            scores[i] = action_distribution_entropy([parse_action(s.text) for s in chunk])
+        return scores
+
     def _sample(self, live: list[LivePath], ctx, rows: list[int]):
         """This turn's actions: one per live path, children included (they join `live`)."""
+        if self.planner.selector is not None and self.planner.selector.probes:
+            if self.planner.may_branch(live):
+                self._branch_where(live, rows, self._probe_scores(live, ctx))
+            return self.policy.sample(ctx, self._key(0), rows=rows, greedy=self.greedy)
         if self.spec.entropy_reduce == "first" or not self.planner.may_branch(live):
             # The branch rule sees h_t only (the first token's distribution), so every
             # path's action and every child's action come from one sampling call.

@@ -2,9 +2,10 @@
 
 import numpy as np
 import pytest
+import scipy.stats
 from test_engine_mdp import sampled_gradients
 
-from bpo_jax.branching import CostModel, LengthModel, make_selector
+from bpo_jax.branching import CostModel, LengthModel, action_distribution_entropy, make_selector
 from bpo_jax.forest_builder import ForestBuilder
 from bpo_jax.planner import BranchPlanner
 from bpo_jax.rollout import TreeSpec
@@ -105,3 +106,45 @@ def test_target_budget_keeps_the_gradient_exact():
     z = np.abs(mean[moving] - exact[moving]) / se[moving]
     assert z.max() < 4.0, (z.max(), mean, exact)
     assert np.abs(exact).max() > 10 * se.max()
+
+
+def test_action_distribution_entropy_by_hand():
+    assert action_distribution_entropy(["go", "go", "go"]) == 0.0
+    assert action_distribution_entropy(["take a", "take b"]) == pytest.approx(np.log(2))
+    assert action_distribution_entropy([None, "go", None, "go"]) == pytest.approx(np.log(2))
+    p = np.array([2, 1, 1]) / 4
+    assert action_distribution_entropy(["x", "x", "y", "z"]) == pytest.approx(
+        -(p * np.log(p)).sum()
+    )
+
+
+def test_action_samples_rule_gives_exact_gradients_and_iid_children():
+    """Probes decide where to branch; children are fresh draws: their actions follow pi(.|h)."""
+    spec = TreeSpec(root_group=2, num_branches=3, branch_budget=2, max_depth=2)
+    selector = make_selector("action_samples", probes=3)
+    grads, exact, forest = sampled_gradients("generic", selector, spec, num_tasks=3000, seed=4)
+    assert forest.num_branch_points > 1000
+    assert forest.stats.probe_tokens > 0
+    mean = grads.mean(axis=0)
+    se = grads.std(axis=0, ddof=1) / np.sqrt(len(grads))
+    moving = se > 0
+    z = np.abs(mean[moving] - exact[moving]) / se[moving]
+    assert z.max() < 4.0, (z.max(), mean, exact)
+    # Children's first actions at branch points, per state, against the policy.
+    from envs.tabular import make_mdp, policy_probs, random_logits
+
+    probs = policy_probs(random_logits(make_mdp("generic", 0), seed=1, scale=0.7))
+    counts: dict[int, np.ndarray] = {}
+    for seg in forest.segments:
+        if seg.parent >= len(forest.task_ids) and seg.steps:  # A branch point's child.
+            first = seg.steps[0]
+            c = counts.setdefault(first.prompt_ids[0], np.zeros(probs.shape[1]))
+            c[first.action_ids[0]] += 1
+    tested = 0
+    for state, c in counts.items():
+        if c.sum() < 200:
+            continue
+        _, p_value = scipy.stats.chisquare(c, c.sum() * probs[state])
+        assert p_value > 1e-3, (state, c, probs[state])
+        tested += 1
+    assert tested >= 2

@@ -24,8 +24,10 @@ group), marks them interrupted and exits with status 130; re-running the command
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime
+import fcntl
 import json
 import shlex
 import shutil
@@ -302,7 +304,30 @@ def run_sweep(
             print(shlex.join(run.command(workdir, module)), file=out, flush=True)
         return {run.name: "dry_run" for run in runs}
     workdir.mkdir(parents=True, exist_ok=True)
-    manifest = Manifest(workdir, str(sweep_path), runs, module)
+    with _exclusive(workdir):
+        return _execute(runs, workdir, str(sweep_path), parallel, commit_to, module, out)
+
+
+@contextlib.contextmanager
+def _exclusive(workdir: Path):
+    """Holds `<workdir>/.sweep.lock`: two sweeps in one folder would run the same runs twice."""
+    with (workdir / ".sweep.lock").open("w") as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise RuntimeError(
+                f"another sweep is running in {workdir} (it holds {workdir / '.sweep.lock'}); "
+                "wait for it or stop it first."
+            ) from None
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def _execute(runs, workdir, sweep_path, parallel, commit_to, module, out) -> dict[str, str]:
+    """The body of `run_sweep`, under the sweep folder's lock."""
+    manifest = Manifest(workdir, sweep_path, runs, module)
     total, done_count = len(runs), 0
     statuses: dict[str, str] = {}
 

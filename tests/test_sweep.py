@@ -1,6 +1,7 @@
 """The sweep command: run names and order, skip, resume after a crash and after Ctrl-C, parallel
 runs, the manifest, --dry_run and --commit_to, against a stand-in main module."""
 
+import fcntl
 import io
 import json
 import os
@@ -247,6 +248,16 @@ def test_ctrl_c_terminates_children_and_a_rerun_resumes(setup, tmp_path):
     starts = [s for _, s, _ in invocations(workdir / "bpo_k4/seed_0")]
     assert starts[0] == 0 and starts[1] >= 1  # Resumed from its checkpoint.
     assert len(invocations(workdir / "bpo/seed_0")) == 1
+
+
+def test_second_sweep_in_the_same_folder_is_refused(setup, tmp_path):
+    workdir = tmp_path / "runs"
+    workdir.mkdir()
+    with (workdir / ".sweep.lock").open("w") as f:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)  # Another sweep holds the folder.
+        with pytest.raises(RuntimeError, match="another sweep is running"):
+            sweep_lib.run_sweep(setup(), workdir, module="fake_main", out=io.StringIO())
+    assert not (workdir / "bpo/seed_0").exists()
 
 
 def test_paper_sweep_file_loads():

@@ -19,7 +19,12 @@ config is finished and skipped; any other run is started again in the same workd
 main job resumes from its latest checkpoint. The manifest `<workdir>/sweep.json` records every
 run's command, status (pending | running | done | failed | interrupted), return code, attempts
 and wall time. Ctrl-C (or SIGTERM) terminates the running children (each in its own process
-group), marks them interrupted and exits with status 130; re-running the command resumes.
+group), marks them interrupted and exits with status 130; re-running the command resumes, and
+retries failed runs. One sweep at a time holds a folder (`<workdir>/.sweep.lock`).
+
+`--commit_to=PATH` copies each finished run's small record (config.json, summary.json,
+evals.json, metrics.jsonl, and probe.json where present) into `PATH/<run name>/` as soon as it
+finishes, for committing while the sweep goes on.
 """
 
 from __future__ import annotations

@@ -219,7 +219,7 @@ def test_parallel_runs_overlap(setup, tmp_path):
 
 
 def test_ctrl_c_terminates_children_and_a_rerun_resumes(setup, tmp_path):
-    sweep_file, workdir = setup(sleep=0.5), tmp_path / "runs"
+    sweep_file, workdir = setup(sleep=1.0), tmp_path / "runs"
     cmd = [sys.executable, "-m", "bpo_jax.sweep", f"--sweep={sweep_file}", f"--workdir={workdir}",
            "--module=fake_main"]  # fmt: skip
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)

@@ -287,6 +287,9 @@ def comparison_sentence(ref: str, name: str, row: dict, pairs: int) -> str:
         f"{_pts(row['mean'])} points, 95% CI {_ci_pts(row['ci95'])}, "
         f"P({r} > {n}) = {row['prob_improvement']:.2f} over {pairs} paired seeds."
     )
+    if pairs < 2:
+        return (f"{r} against {n}: {_pts(row['mean'])} points on a single paired seed; "
+                "no confidence interval, no conclusion.")  # fmt: skip
     if lo > 0:
         return f"{r} beats {n} here: {tail}"
     if hi < 0:

@@ -218,6 +218,15 @@ def test_todays_record_names_and_no_probe(tmp_path):
     assert "BPO does not beat RLOO here" in md and "no probe record" in md
 
 
+def test_single_paired_seed_draws_no_conclusion(tmp_path):
+    write_run(tmp_path / "bpo/seed_0", "bpo", 0, 6, per_split=False)
+    write_run(tmp_path / "rloo/seed_0", "rloo", 0, 4, per_split=False)
+    tables.write_tables(tmp_path, tmp_path / "out")
+    md = (tmp_path / "out/results.md").read_text()
+    assert "BPO against RLOO: +25.0 points on a single paired seed; no confidence interval" in md
+    assert "beats" not in md
+
+
 def test_duplicate_seed_is_an_error(tmp_path):
     write_run(tmp_path / "a", "bpo", 0, 4)
     write_run(tmp_path / "b", "bpo", 0, 5)

@@ -91,7 +91,9 @@ def grad_norm_variance(groups: Mapping[str, list[RunRecord]], path: Path) -> boo
     return True
 
 
-def histograms(data: Mapping[str, list[float]], xlabel: str, path: Path, bins=20) -> bool:
+def histograms(
+    data: Mapping[str, list[float]], xlabel: str, path: Path, bins=20, mark: float | None = None
+) -> bool:
     data = {k: v for k, v in data.items() if v}
     if not data:
         return False
@@ -102,6 +104,8 @@ def histograms(data: Mapping[str, list[float]], xlabel: str, path: Path, bins=20
     edges = np.linspace(lo, hi if hi > lo else lo + 1, bins + 1)
     for name, v in data.items():
         ax.hist(v, bins=edges, alpha=0.5, label=name)
+    if mark is not None:
+        ax.axvline(mark, color="black", linestyle="--", linewidth=1)
     ax.set_xlabel(xlabel)
     ax.set_ylabel("batches")
     ax.legend()
@@ -152,7 +156,9 @@ def write_figures(
     )
     spend = {n: [x for r in g for x in spend_ratios(r)] for n, g in groups.items()}
     add(
-        histograms(spend, "task cost / budget per task (per batch)", out / "spend_budget.png"),
+        histograms(
+            spend, "task cost / budget per task (per batch)", out / "spend_budget.png", mark=1.0
+        ),
         "spend_budget.png",
         "Spend over budget per batch",
         "no iteration with a per-task budget (train/budget_per_task > 0)",

@@ -1,0 +1,104 @@
+"""Statistics of the paper's tables: bootstrap CIs, the interquartile mean, paired comparisons.
+
+Every resampling function takes a `numpy.random.Generator`, so that a table is reproduced
+exactly from its seed. The IQM and its stratified bootstrap follow rliable (Agarwal et al.,
+"Deep RL at the Edge of the Statistical Precipice", 2021): the IQM is the mean of the middle
+50% of the pooled scores (scipy's `trim_mean(x, 0.25)`), and a bootstrap sample resamples the
+scores within each stratum (there: the runs of each task; here: the episodes of each seed and
+evaluation split), so that every stratum keeps its size.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import numpy as np
+
+NUM_RESAMPLES = 10_000
+
+
+def iqm(scores) -> float:
+    """The interquartile mean: the mean after cutting `floor(n / 4)` scores from each end."""
+    x = np.sort(np.asarray(scores, np.float64).ravel())
+    if x.size == 0:
+        raise ValueError("the IQM of no scores is undefined.")
+    cut = int(0.25 * x.size)
+    return float(x[cut : x.size - cut].mean())
+
+
+def _iqm_rows(x: np.ndarray) -> np.ndarray:
+    """The IQM of each row of `x` [B, n]."""
+    cut = int(0.25 * x.shape[1])
+    return np.sort(x, axis=1)[:, cut : x.shape[1] - cut].mean(axis=1)
+
+
+def percentile_ci(samples: np.ndarray, level: float = 0.95) -> tuple[float, float]:
+    """The central `level` interval of bootstrap statistics (the percentile method)."""
+    alpha = 100.0 * (1.0 - level) / 2.0
+    lo, hi = np.percentile(samples, [alpha, 100.0 - alpha])
+    return float(lo), float(hi)
+
+
+def bootstrap_mean_ci(
+    values,
+    rng: np.random.Generator,
+    num_resamples: int = NUM_RESAMPLES,
+    level: float = 0.95,
+) -> tuple[float, float]:
+    """Percentile bootstrap CI of the mean of `values` (resampled with replacement)."""
+    x = np.asarray(values, np.float64).ravel()
+    if x.size == 0:
+        raise ValueError("a bootstrap CI needs at least one value.")
+    idx = rng.integers(0, x.size, size=(num_resamples, x.size))
+    return percentile_ci(x[idx].mean(axis=1), level)
+
+
+def stratified_bootstrap_ci(
+    strata: Sequence,
+    rng: np.random.Generator,
+    statistic: Callable[[np.ndarray], np.ndarray] = _iqm_rows,
+    num_resamples: int = NUM_RESAMPLES,
+    level: float = 0.95,
+) -> tuple[float, float]:
+    """Percentile CI of `statistic` over the pooled scores, resampling within each stratum.
+
+    Args:
+      strata: one array of scores per stratum (e.g. the episodes of one seed and split).
+      rng: the generator of the resamples.
+      statistic: maps resampled pooled scores [B, n] to B statistics (default: the IQM).
+      num_resamples: B.
+      level: the CI's coverage.
+    """
+    parts = [np.asarray(s, np.float64).ravel() for s in strata]
+    parts = [p for p in parts if p.size]
+    if not parts:
+        raise ValueError("a stratified bootstrap needs at least one non-empty stratum.")
+    pooled = np.concatenate(
+        [p[rng.integers(0, p.size, size=(num_resamples, p.size))] for p in parts], axis=1
+    )
+    return percentile_ci(statistic(pooled), level)
+
+
+def probability_of_improvement(diffs) -> float:
+    """P(X > Y) over paired differences `X - Y`: the share of pairs with X ahead, ties 1/2."""
+    d = np.asarray(diffs, np.float64).ravel()
+    if d.size == 0:
+        raise ValueError("no pairs to compare.")
+    return float(np.mean((d > 0) + 0.5 * (d == 0)))
+
+
+def ratio_of_means_ci(
+    num,
+    den,
+    rng: np.random.Generator,
+    num_resamples: int = NUM_RESAMPLES,
+    level: float = 0.95,
+) -> tuple[float, float]:
+    """Percentile CI of `mean(num) / mean(den)`, resampling the pairs (num_i, den_i) together."""
+    a, b = np.asarray(num, np.float64).ravel(), np.asarray(den, np.float64).ravel()
+    if a.size != b.size or a.size == 0:
+        raise ValueError(f"paired ratio needs equal non-empty lengths, got {a.size}, {b.size}.")
+    idx = rng.integers(0, a.size, size=(num_resamples, a.size))
+    with np.errstate(divide="ignore", invalid="ignore"):
+        ratios = a[idx].mean(axis=1) / b[idx].mean(axis=1)
+    return percentile_ci(ratios[np.isfinite(ratios)], level)

@@ -1,0 +1,483 @@
+r"""Runs a sweep of experiments (algorithms x seeds x ablations), resumably, one or N at a time.
+
+  python -m bpo_jax.sweep --sweep=experiments/paper/alfworld_cpu.py --workdir=runs/alfworld_cpu \
+      [--parallel=2] [--dry_run] [--commit_to=results/alfworld_cpu]
+
+A sweep file defines `get_sweep() -> Sweep`: the experiment config (with its `:variants`), the
+algorithms, the seeds, overrides every run gets, and named ablations (override sets, each for
+some algorithms). Every run is a subprocess
+
+  python -m bpo_jax.main --config=<config>,algo=<algo> --workdir=<workdir>/<run name> \
+      --config.seed=<seed> <overrides>
+
+with its stdout and stderr appended to `<workdir>/<run name>/log.txt`. Run names are stable:
+`<algo>[_<ablation>]/seed_<seed>` (e.g. `bpo/seed_3`, `bpo_k4/seed_0`). Runs are ordered seed
+by seed, so that a sweep stopped early leaves complete paired seeds.
+
+Resuming: a run whose `summary.json` reports `iterations == train.iterations` of its resolved
+config is finished and skipped; any other run is started again in the same workdir, where the
+main job resumes from its latest checkpoint. The manifest `<workdir>/sweep.json` records every
+run's command, status (pending | running | done | failed | interrupted), return code, attempts
+and wall time. Ctrl-C (or SIGTERM) terminates the running children (each in its own process
+group), marks them interrupted and exits with status 130; re-running the command resumes, and
+retries failed runs. One sweep at a time holds a folder (`<workdir>/.sweep.lock`).
+
+`--commit_to=PATH` copies each finished run's small record (config.json, summary.json,
+evals.json, metrics.jsonl, and probe.json where present) into `PATH/<run name>/` as soon as it
+finishes, for committing while the sweep goes on.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import datetime
+import fcntl
+import json
+import shlex
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from absl import app, flags
+
+from bpo_jax.experiment import load_experiment
+
+MANIFEST = "sweep.json"
+LOG = "log.txt"
+# The small JSON record of a run that `--commit_to` copies (probe.json only where present).
+RECORD_FILES = ("config.json", "summary.json", "evals.json", "metrics.jsonl", "probe.json")
+_POLL_SECONDS = 0.2
+_TERM_GRACE_SECONDS = 30.0
+
+
+@dataclasses.dataclass(frozen=True)
+class Ablation:
+    """A named set of config overrides, e.g. `Ablation("k4", {"rollout.num_branches": 4})`.
+
+    Attributes:
+      name: appended to the algorithm in run names (`bpo_k4/seed_0`); letters, digits, `_`.
+      overrides: config field (dotted, below `config.`) -> value.
+      algos: the algorithms it applies to; empty = all of the sweep's.
+    """
+
+    name: str
+    overrides: Mapping[str, Any]
+    algos: tuple[str, ...] = ()
+
+
+@dataclasses.dataclass(frozen=True)
+class Sweep:
+    """What a sweep file's `get_sweep()` returns.
+
+    Attributes:
+      config: experiment file and variants, relative to the working directory,
+        e.g. 'experiments/alfworld.py:cpu' (the sweep adds `algo=<name>` to the variants).
+      algos: algorithm names (config.ALGOS).
+      seeds: `config.seed` values; every algorithm runs every seed (paired seeds).
+      overrides: config overrides every run gets (field -> value).
+      ablations: extra run sets beside the plain algorithms.
+    """
+
+    config: str
+    algos: tuple[str, ...]
+    seeds: tuple[int, ...]
+    overrides: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    ablations: tuple[Ablation, ...] = ()
+
+
+@dataclasses.dataclass(frozen=True)
+class Run:
+    """One run of a sweep: its name, and the flags of its main job (without `--workdir`)."""
+
+    name: str
+    algo: str
+    seed: int
+    ablation: str  # '' for the plain algorithm.
+    config: str  # --config value, variants included.
+    overrides: tuple[str, ...]  # --config.<field>=<value> flags.
+
+    def command(self, workdir: Path, module: str = "bpo_jax.main") -> list[str]:
+        run_dir = workdir / self.name
+        return [
+            sys.executable,
+            "-m",
+            module,
+            f"--config={self.config}",
+            f"--workdir={run_dir}",
+            *self.overrides,
+        ]
+
+
+def format_value(value: Any) -> str:
+    """A config value as config_flags parses it from the command line."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (list, tuple)):
+        return repr(tuple(value))
+    if isinstance(value, (int, float, str)):
+        return str(value) if isinstance(value, str) else repr(value)
+    raise TypeError(f"override value {value!r} of type {type(value).__name__} is not a flag value")
+
+
+def _check_name(name: str, what: str) -> None:
+    if not name or not all(ch.isalnum() or ch == "_" for ch in name):
+        raise ValueError(f"{what} {name!r} must be letters, digits and '_' (it names a folder).")
+
+
+def expand(sweep: Sweep) -> list[Run]:
+    """The sweep's runs, seed by seed, then algorithm, then ablation, with unique names."""
+    if not sweep.algos or not sweep.seeds:
+        raise ValueError(f"a sweep needs algorithms and seeds, got {sweep.algos}, {sweep.seeds}.")
+    path, _, variants = sweep.config.partition(":")
+    if "algo=" in variants:
+        raise ValueError(
+            f"sweep config {sweep.config!r} sets algo= itself; list algorithms in Sweep.algos."
+        )
+    for algo in sweep.algos:
+        _check_name(algo, "algorithm")
+    for ab in sweep.ablations:
+        _check_name(ab.name, "ablation name")
+        unknown = set(ab.algos) - set(sweep.algos)
+        if unknown:
+            raise ValueError(
+                f"ablation {ab.name!r} names algorithms {sorted(unknown)} "
+                f"that the sweep does not run ({sweep.algos})."
+            )
+    sets = [("", {}, ())] + [(ab.name, dict(ab.overrides), ab.algos) for ab in sweep.ablations]
+    runs, names = [], set()
+    for seed in sweep.seeds:
+        for algo in sweep.algos:
+            for ab_name, ab_overrides, ab_algos in sets:
+                if ab_algos and algo not in ab_algos:
+                    continue
+                name = f"{algo}_{ab_name}/seed_{seed}" if ab_name else f"{algo}/seed_{seed}"
+                if name in names:
+                    raise ValueError(
+                        f"run name {name!r} twice: seeds and ablations must be unique."
+                    )
+                names.add(name)
+                fields = {**dict(sweep.overrides), **ab_overrides, "seed": int(seed)}
+                if "train.algo" in fields:
+                    raise ValueError("overrides must not set train.algo; list it in Sweep.algos.")
+                flags_ = tuple(f"--config.{k}={format_value(v)}" for k, v in fields.items())
+                config = f"{path}:{variants + ',' if variants else ''}algo={algo}"
+                runs.append(Run(name, algo, int(seed), ab_name, config, flags_))
+    return runs
+
+
+def load_sweep(path: str | Path) -> Sweep:
+    """Imports a sweep file and returns its `get_sweep()`."""
+    module = load_experiment(path)
+    if not hasattr(module, "get_sweep"):
+        raise ValueError(f"sweep file {path} defines no get_sweep().")
+    sweep = module.get_sweep()
+    if not isinstance(sweep, Sweep):
+        raise TypeError(
+            f"{path}: get_sweep() returned {type(sweep).__name__}, not bpo_jax.sweep.Sweep."
+        )
+    return sweep
+
+
+def resolve_config(run: Run):
+    """The run's ConfigDict, parsed exactly as the main job parses its flags."""
+    from ml_collections import config_flags
+
+    argv = ["sweep", f"--config={run.config}", *run.overrides]
+    fv = flags.FlagValues()
+    config_flags.DEFINE_config_file(
+        "config", None, "", flag_values=fv, lock_config=True, sys_argv=argv
+    )
+    fv(argv)
+    return fv.config
+
+
+def is_finished(run_dir: Path, iterations: int) -> bool:
+    """Whether the run in `run_dir` has written its summary after `iterations` iterations."""
+    path = run_dir / "summary.json"
+    if not path.is_file():
+        return False
+    try:
+        summary = json.loads(path.read_text())
+    except json.JSONDecodeError:
+        return False
+    return summary.get("iterations") == iterations
+
+
+def commit_record(run_dir: Path, dest: Path) -> list[str]:
+    """Copies the run's small JSON record into `dest`; returns the file names copied."""
+    dest.mkdir(parents=True, exist_ok=True)
+    copied = []
+    for name in RECORD_FILES:
+        src = run_dir / name
+        if src.is_file():
+            shutil.copy2(src, dest / name)
+            copied.append(name)
+    return copied
+
+
+def _now() -> str:
+    return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+
+
+class Manifest:
+    """`<workdir>/sweep.json`: every run's command and status, rewritten atomically on change."""
+
+    def __init__(self, workdir: Path, sweep_path: str, runs: Sequence[Run], module: str):
+        self.path = workdir / MANIFEST
+        old = {}
+        if self.path.is_file():
+            old = {r["name"]: r for r in json.loads(self.path.read_text()).get("runs", [])}
+        self.data = {"sweep": str(sweep_path), "module": module, "updated": _now(), "runs": []}
+        self.entries = {}
+        for run in runs:
+            prev = old.get(run.name, {})
+            entry = {
+                "name": run.name,
+                "algo": run.algo,
+                "seed": run.seed,
+                "ablation": run.ablation,
+                "command": run.command(workdir, module),
+                "status": prev.get("status", "pending"),
+                "returncode": prev.get("returncode"),
+                "attempts": prev.get("attempts", 0),
+                "wall_seconds": prev.get("wall_seconds", 0.0),
+                "started": prev.get("started"),
+                "finished": prev.get("finished"),
+            }
+            self.data["runs"].append(entry)
+            self.entries[run.name] = entry
+
+    def update(self, name: str, **fields) -> None:
+        self.entries[name].update(fields)
+        self.data["updated"] = _now()
+        tmp = self.path.with_suffix(".json.tmp")
+        tmp.write_text(json.dumps(self.data, indent=2))
+        tmp.replace(self.path)
+
+
+def _terminate(procs: Sequence[subprocess.Popen]) -> None:
+    """SIGTERM to each child's process group, then SIGKILL to what is left after a grace period."""
+    import os
+
+    for p in procs:
+        if p.poll() is None:
+            try:
+                os.killpg(p.pid, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+    deadline = time.time() + _TERM_GRACE_SECONDS
+    for p in procs:
+        try:
+            p.wait(timeout=max(deadline - time.time(), 0.1))
+        except subprocess.TimeoutExpired:
+            try:
+                os.killpg(p.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            p.wait()
+
+
+def run_sweep(
+    sweep_path: str | Path,
+    workdir: str | Path,
+    *,
+    parallel: int = 1,
+    dry_run: bool = False,
+    commit_to: str | Path | None = None,
+    module: str = "bpo_jax.main",
+    out=None,
+) -> dict[str, str]:
+    """Runs (or resumes) the sweep; returns run name -> final status.
+
+    Raises:
+      KeyboardInterrupt: after terminating the running children (their status: interrupted).
+    """
+    out = out or sys.stdout
+    if parallel < 1:
+        raise ValueError(f"--parallel must be >= 1, got {parallel}.")
+    workdir = Path(workdir).absolute()
+    runs = expand(load_sweep(sweep_path))
+    if dry_run:
+        for run in runs:
+            resolve_config(run)  # A bad override fails here, not hours into the sweep.
+            print(shlex.join(run.command(workdir, module)), file=out, flush=True)
+        return {run.name: "dry_run" for run in runs}
+    workdir.mkdir(parents=True, exist_ok=True)
+    with _exclusive(workdir):
+        return _execute(runs, workdir, str(sweep_path), parallel, commit_to, module, out)
+
+
+@contextlib.contextmanager
+def _exclusive(workdir: Path):
+    """Holds `<workdir>/.sweep.lock`: two sweeps in one folder would run the same runs twice."""
+    with (workdir / ".sweep.lock").open("w") as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise RuntimeError(
+                f"another sweep is running in {workdir} (it holds {workdir / '.sweep.lock'}); "
+                "wait for it or stop it first."
+            ) from None
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def _execute(runs, workdir, sweep_path, parallel, commit_to, module, out) -> dict[str, str]:
+    """The body of `run_sweep`, under the sweep folder's lock."""
+    manifest = Manifest(workdir, sweep_path, runs, module)
+    total, done_count = len(runs), 0
+    statuses: dict[str, str] = {}
+
+    def line(run: Run, text: str) -> None:
+        print(f"[{done_count}/{total}] {run.name}: {text}", file=out, flush=True)
+
+    pending = []
+    for run in runs:
+        iterations = int(resolve_config(run).train.iterations)
+        if is_finished(workdir / run.name, iterations):
+            done_count += 1
+            statuses[run.name] = "done"
+            manifest.update(
+                run.name, status="done", returncode=manifest.entries[run.name]["returncode"]
+            )
+            if commit_to:
+                commit_record(workdir / run.name, Path(commit_to) / run.name)
+            line(run, f"finished earlier ({iterations} iterations), skipped")
+        else:
+            pending.append((run, iterations))
+    running: dict[str, tuple[Run, int, subprocess.Popen, Any, float]] = {}
+    try:
+        while pending or running:
+            while pending and len(running) < parallel:
+                run, iterations = pending.pop(0)
+                run_dir = workdir / run.name
+                run_dir.mkdir(parents=True, exist_ok=True)
+                log = (run_dir / LOG).open("a", encoding="utf-8")
+                cmd = run.command(workdir, module)
+                log.write(f"=== {_now()} sweep starts: {shlex.join(cmd)}\n")
+                log.flush()
+                proc = subprocess.Popen(
+                    cmd,
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    stdin=subprocess.DEVNULL,
+                    start_new_session=True,
+                )
+                entry = manifest.entries[run.name]
+                manifest.update(
+                    run.name,
+                    status="running",
+                    started=_now(),
+                    returncode=None,
+                    attempts=entry["attempts"] + 1,
+                )
+                running[run.name] = (run, iterations, proc, log, time.time())
+            time.sleep(_POLL_SECONDS)
+            for name in list(running):
+                run, iterations, proc, log, t0 = running[name]
+                rc = proc.poll()
+                if rc is None:
+                    continue
+                del running[name]
+                log.close()
+                wall = time.time() - t0
+                finished = rc == 0 and is_finished(workdir / name, iterations)
+                status = "done" if finished else "failed"
+                done_count += 1
+                statuses[name] = status
+                manifest.update(
+                    name,
+                    status=status,
+                    returncode=rc,
+                    finished=_now(),
+                    wall_seconds=manifest.entries[name]["wall_seconds"] + wall,
+                )
+                if finished and commit_to:
+                    commit_record(workdir / name, Path(commit_to) / name)
+                summary = (
+                    _summary_text(workdir / name) if finished else f"see {workdir / name / LOG}"
+                )
+                line(run, f"{status} (rc {rc}) in {wall:.0f}s; {summary}")
+    except KeyboardInterrupt:
+        procs = [proc for _, _, proc, _, _ in running.values()]
+        _terminate(procs)
+        for name, (_, _, proc, log, t0) in running.items():
+            log.write(f"=== {_now()} sweep interrupted; run terminated\n")
+            log.close()
+            statuses[name] = "interrupted"
+            manifest.update(
+                name,
+                status="interrupted",
+                returncode=proc.returncode,
+                finished=_now(),
+                wall_seconds=manifest.entries[name]["wall_seconds"] + time.time() - t0,
+            )
+        print(
+            f"sweep interrupted: {len(running)} run(s) terminated; re-run to resume.",
+            file=out,
+            flush=True,
+        )
+        raise
+    return statuses
+
+
+def _summary_text(run_dir: Path) -> str:
+    s = json.loads((run_dir / "summary.json").read_text())
+    after = s.get("success_after_rl")
+    return f"success after RL {after:.3f}" if isinstance(after, (int, float)) else "no success"
+
+
+FLAGS = flags.FLAGS
+
+
+def define_flags() -> None:
+    """The command line's flags (defined on demand: sweep files import this module)."""
+    flags.DEFINE_string("sweep", None, "Sweep file (defines get_sweep()).")
+    flags.DEFINE_string("workdir", None, "Sweep directory: one folder per run, and sweep.json.")
+    flags.DEFINE_integer("parallel", 1, "Runs at a time.")
+    flags.DEFINE_bool("dry_run", False, "Print the runs' commands and exit.")
+    flags.DEFINE_string("commit_to", None, "Copy each finished run's record to PATH/<run name>.")
+    flags.DEFINE_string("module", "bpo_jax.main", "The module each run executes (python -m).")
+
+
+def main(argv):
+    if len(argv) > 1:
+        raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
+    if FLAGS.sweep is None or FLAGS.workdir is None:
+        raise app.UsageError("--sweep and --workdir are required.")
+
+    def on_term(signum, frame):
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, on_term)
+    try:
+        statuses = run_sweep(
+            FLAGS.sweep,
+            FLAGS.workdir,
+            parallel=FLAGS.parallel,
+            dry_run=FLAGS.dry_run,
+            commit_to=FLAGS.commit_to,
+            module=FLAGS.module,
+        )
+    except KeyboardInterrupt:
+        sys.exit(130)
+    failed = sorted(n for n, s in statuses.items() if s == "failed")
+    if failed:
+        print(f"{len(failed)} run(s) failed: {', '.join(failed)}", flush=True)
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    # Run the importable module's main, so that sweep files and this command share one `Sweep`.
+    from bpo_jax import sweep as _sweep
+
+    _sweep.define_flags()
+    app.run(_sweep.main)

@@ -1,0 +1,276 @@
+"""The sweep command: run names and order, skip, resume after a crash and after Ctrl-C, parallel
+runs, the manifest, --dry_run and --commit_to, against a stand-in main module."""
+
+import fcntl
+import io
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from bpo_jax import sweep as sweep_lib
+
+REPO = Path(__file__).resolve().parents[1]
+
+# A stand-in for bpo_jax.main: the same flags (config_flags, overrides), a "checkpoint" after
+# every iteration that a re-run resumes from, summary.json at the end; it exits with status 3
+# at iteration `crash_at` when $FAKE_CRASH names its run.
+FAKE_MAIN = """
+import json, os, sys, time
+from pathlib import Path
+from absl import app, flags
+from ml_collections import config_flags
+
+config_flags.DEFINE_config_file("config", None, "", lock_config=True)
+flags.DEFINE_string("workdir", None, "")
+
+
+def main(argv):
+    cfg, wd = flags.FLAGS.config, Path(flags.FLAGS.workdir)
+    wd.mkdir(parents=True, exist_ok=True)
+    (wd / "config.json").write_text(json.dumps(cfg.to_dict()))
+    ckpt = wd / "ckpt.json"
+    start = json.loads(ckpt.read_text())["iteration"] if ckpt.exists() else 0
+    with open(wd / "invocations.txt", "a") as f:
+        f.write(f"{os.getpid()} {start} {time.time()}\\n")
+    print(f"resuming at iteration {start}", flush=True)
+    crash = os.environ.get("FAKE_CRASH", "") == f"{wd.parent.name}/{wd.name}"
+    for it in range(start, cfg.train.iterations):
+        time.sleep(cfg.sleep)
+        if crash and it == cfg.crash_at:
+            print("crashing", flush=True)
+            sys.exit(3)
+        ckpt.write_text(json.dumps({"iteration": it + 1}))
+        with open(wd / "metrics.jsonl", "a") as f:
+            f.write(json.dumps({"step": it + 1, "train/iteration": it + 1}) + "\\n")
+    (wd / "evals.json").write_text(json.dumps({"after_rl": {"eval/success": 0.5}}))
+    summary = {"iterations": cfg.train.iterations, "success_after_rl": 0.5, "end": time.time()}
+    (wd / "summary.json").write_text(json.dumps(summary))
+
+
+if __name__ == "__main__":
+    app.run(main)
+"""
+
+EXPERIMENT = """
+import ml_collections
+from bpo_jax.experiment import parse_variants
+
+
+def get_config(arg=None):
+    variants = parse_variants(arg)
+    c = ml_collections.ConfigDict()
+    c.seed = 0
+    c.train = ml_collections.ConfigDict()
+    c.train.algo = variants.get("algo", "grpo")
+    c.train.iterations = 3
+    c.rollout = ml_collections.ConfigDict()
+    c.rollout.num_branches = 2
+    c.sleep = 0.0
+    c.crash_at = 1
+    return c
+"""
+
+SWEEP = """
+from bpo_jax.sweep import Ablation, Sweep
+
+
+def get_sweep():
+    return Sweep(
+        config="{config}:cpu",
+        algos=("bpo", "grpo"),
+        seeds=(0, 1),
+        overrides={{"sleep": {sleep}}},
+        ablations=(Ablation("k4", {{"rollout.num_branches": 4}}, algos=("bpo",)),),
+    )
+"""
+
+NAMES = [
+    "bpo/seed_0",
+    "bpo_k4/seed_0",
+    "grpo/seed_0",
+    "bpo/seed_1",
+    "bpo_k4/seed_1",
+    "grpo/seed_1",
+]
+
+
+@pytest.fixture
+def setup(tmp_path, monkeypatch):
+    """Writes the stand-in module, experiment and sweep files; returns a sweep-file factory."""
+    (tmp_path / "fake_main.py").write_text(FAKE_MAIN)
+    (tmp_path / "exp.py").write_text(EXPERIMENT)
+    monkeypatch.setenv("PYTHONPATH", f"{tmp_path}{os.pathsep}{REPO}")
+    monkeypatch.delenv("FAKE_CRASH", raising=False)
+
+    def make(sleep=0.0):
+        path = tmp_path / f"sweep_{str(sleep).replace('.', '_')}.py"
+        path.write_text(SWEEP.format(config=tmp_path / "exp.py", sleep=sleep))
+        return path
+
+    return make
+
+
+def invocations(run_dir: Path) -> list[tuple[int, int, float]]:
+    lines = (run_dir / "invocations.txt").read_text().split("\n")
+    return [(int(p), int(s), float(t)) for p, s, t in (ln.split() for ln in lines if ln)]
+
+
+def manifest(workdir: Path) -> dict:
+    return {r["name"]: r for r in json.loads((workdir / "sweep.json").read_text())["runs"]}
+
+
+def test_expand_names_order_and_flags(setup):
+    runs = sweep_lib.expand(sweep_lib.load_sweep(setup()))
+    assert [r.name for r in runs] == NAMES
+    k4 = runs[1]
+    assert k4.config.endswith(":cpu,algo=bpo") and k4.seed == 0 and k4.ablation == "k4"
+    assert k4.overrides == (
+        "--config.sleep=0.0",
+        "--config.rollout.num_branches=4",
+        "--config.seed=0",
+    )
+    cfg = sweep_lib.resolve_config(runs[5])
+    assert (cfg.train.algo, cfg.seed, cfg.rollout.num_branches) == ("grpo", 1, 2)
+    assert sweep_lib.resolve_config(k4).rollout.num_branches == 4
+
+
+def test_expand_rejects_bad_sweeps():
+    base = dict(config="e.py:cpu", algos=("bpo",), seeds=(0,))
+    with pytest.raises(ValueError, match="algo="):
+        sweep_lib.expand(sweep_lib.Sweep(**{**base, "config": "e.py:cpu,algo=bpo"}))
+    with pytest.raises(ValueError, match="twice"):
+        sweep_lib.expand(sweep_lib.Sweep(**{**base, "seeds": (0, 0)}))
+    with pytest.raises(ValueError, match="does not run"):
+        bad = sweep_lib.Ablation("k4", {"rollout.num_branches": 4}, algos=("ppo",))
+        sweep_lib.expand(sweep_lib.Sweep(**base, ablations=(bad,)))
+    with pytest.raises(ValueError, match="folder"):
+        sweep_lib.expand(sweep_lib.Sweep(**base, ablations=(sweep_lib.Ablation("k/4", {}),)))
+
+
+def test_dry_run_prints_commands_and_runs_nothing(setup, tmp_path):
+    out = io.StringIO()
+    sweep_lib.run_sweep(setup(), tmp_path / "runs", dry_run=True, module="fake_main", out=out)
+    lines = out.getvalue().splitlines()
+    assert len(lines) == len(NAMES)
+    assert f"--workdir={tmp_path / 'runs' / 'bpo_k4/seed_1'}" in lines[4]
+    assert " -m fake_main " in lines[0] and "--config.rollout.num_branches=4" in lines[4]
+    assert not (tmp_path / "runs").exists()
+
+
+def test_crash_then_resume_skips_finished_runs(setup, tmp_path, monkeypatch):
+    sweep_file, workdir, committed = setup(), tmp_path / "runs", tmp_path / "results"
+    monkeypatch.setenv("FAKE_CRASH", "grpo/seed_0")
+    out = io.StringIO()
+    statuses = sweep_lib.run_sweep(
+        sweep_file, workdir, module="fake_main", commit_to=committed, out=out
+    )
+    assert statuses == {n: "failed" if n == "grpo/seed_0" else "done" for n in NAMES}
+    assert len(out.getvalue().splitlines()) == len(NAMES)  # One progress line per run.
+    m = manifest(workdir)
+    assert [m[n]["status"] for n in NAMES] == [
+        "done", "done", "failed", "done", "done", "done"
+    ]  # fmt: skip
+    assert m["grpo/seed_0"]["returncode"] == 3 and m["bpo/seed_0"]["returncode"] == 0
+    assert all(m[n]["attempts"] == 1 and m[n]["wall_seconds"] > 0 for n in NAMES)
+    assert "crashing" in (workdir / "grpo/seed_0/log.txt").read_text()
+    assert not (committed / "grpo/seed_0").exists()
+    assert sorted(p.name for p in (committed / "bpo_k4/seed_1").iterdir()) == [
+        "config.json", "evals.json", "metrics.jsonl", "summary.json"
+    ]  # fmt: skip
+
+    monkeypatch.delenv("FAKE_CRASH")
+    out = io.StringIO()
+    statuses = sweep_lib.run_sweep(
+        sweep_file, workdir, module="fake_main", commit_to=committed, out=out
+    )
+    assert set(statuses.values()) == {"done"}
+    text = out.getvalue()
+    assert text.count("skipped") == 5 and "grpo/seed_0: done (rc 0)" in text
+    # The crashed run resumed from its checkpoint (iteration 1); the others were not re-run.
+    assert [s for _, s, _ in invocations(workdir / "grpo/seed_0")] == [0, 1]
+    assert all(len(invocations(workdir / n)) == 1 for n in NAMES if n != "grpo/seed_0")
+    assert manifest(workdir)["grpo/seed_0"]["attempts"] == 2
+    assert (committed / "grpo/seed_0/summary.json").is_file()
+    log = (workdir / "grpo/seed_0/log.txt").read_text()
+    assert log.count("sweep starts") == 2 and "resuming at iteration 1" in log
+
+
+def test_parallel_runs_overlap(setup, tmp_path):
+    workdir = tmp_path / "runs"
+    statuses = sweep_lib.run_sweep(
+        setup(sleep=0.4), workdir, parallel=2, module="fake_main", out=io.StringIO()
+    )
+    assert set(statuses.values()) == {"done"}
+    spans = []
+    for n in NAMES:
+        start = invocations(workdir / n)[0][2]
+        end = json.loads((workdir / n / "summary.json").read_text())["end"]
+        spans.append((start, end))
+    # Some two runs were alive at once, and never more than two.
+    times = sorted({t for span in spans for t in span})
+    alive = [sum(s <= t < e for s, e in spans) for t in times]
+    assert max(alive) == 2
+
+
+def test_ctrl_c_terminates_children_and_a_rerun_resumes(setup, tmp_path):
+    sweep_file, workdir = setup(sleep=1.0), tmp_path / "runs"
+    cmd = [sys.executable, "-m", "bpo_jax.sweep", f"--sweep={sweep_file}", f"--workdir={workdir}",
+           "--module=fake_main"]  # fmt: skip
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    ckpt = workdir / "bpo_k4/seed_0/ckpt.json"  # The second run, one iteration in.
+    deadline = time.time() + 60
+    while not ckpt.exists():
+        assert proc.poll() is None and time.time() < deadline, proc.stdout.read()
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGINT)
+    output, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 130, output
+    assert "interrupted" in output
+    pid = invocations(workdir / "bpo_k4/seed_0")[0][0]
+    with pytest.raises(ProcessLookupError):
+        os.kill(pid, 0)  # The child is gone (terminated and reaped).
+    m = manifest(workdir)
+    assert m["bpo/seed_0"]["status"] == "done"
+    assert m["bpo_k4/seed_0"]["status"] == "interrupted"
+    assert m["grpo/seed_0"]["status"] == "pending"
+    assert not (workdir / "bpo_k4/seed_0/summary.json").exists()
+
+    statuses = sweep_lib.run_sweep(
+        sweep_file, workdir, parallel=2, module="fake_main", out=io.StringIO()
+    )
+    assert set(statuses.values()) == {"done"}
+    starts = [s for _, s, _ in invocations(workdir / "bpo_k4/seed_0")]
+    assert starts[0] == 0 and starts[1] >= 1  # Resumed from its checkpoint.
+    assert len(invocations(workdir / "bpo/seed_0")) == 1
+
+
+def test_second_sweep_in_the_same_folder_is_refused(setup, tmp_path):
+    workdir = tmp_path / "runs"
+    workdir.mkdir()
+    with (workdir / ".sweep.lock").open("w") as f:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)  # Another sweep holds the folder.
+        with pytest.raises(RuntimeError, match="another sweep is running"):
+            sweep_lib.run_sweep(setup(), workdir, module="fake_main", out=io.StringIO())
+    assert not (workdir / "bpo/seed_0").exists()
+
+
+def test_paper_sweep_file_loads():
+    sweep = sweep_lib.load_sweep(REPO / "experiments/paper/alfworld_cpu.py")
+    runs = sweep_lib.expand(sweep)
+    assert len(runs) == 15
+    assert [r.name for r in runs[:3]] == ["bpo/seed_0", "grpo/seed_0", "rloo/seed_0"]
+    assert runs[-1].name == "rloo/seed_4"
+    cwd = os.getcwd()
+    os.chdir(REPO)  # The sweep's config path is relative to the repository root.
+    try:
+        cfg = sweep_lib.resolve_config(runs[4])
+    finally:
+        os.chdir(cwd)
+    assert (cfg.train.algo, cfg.seed, cfg.env.name) == ("grpo", 1, "alfworld")
+    assert cfg.train.iterations == sweep.overrides["train.iterations"]

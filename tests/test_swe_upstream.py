@@ -18,6 +18,7 @@ from swebench_fixtures import (
     MINIWRAP_FILES,
     SYMPY_LOG_BUGGY,
     SYMPY_LOG_GOLD,
+    TEXTVEC_FIXED,
     TEXTVEC_TRUNCATED,
     records,
     write_tree,
@@ -158,6 +159,13 @@ def test_truncated_parametrised_ids_match_as_upstream(env, tmp_path):
     exact = TestOutcomes(run.report, key=lambda nodeid: nodeid)
     assert [i for i in task.pass_to_pass if not exact.passed(i)] == list(TEXTVEC_TRUNCATED)
     assert swebench.report(outcomes.passed, task.fail_to_pass, task.pass_to_pass)["resolved"]
+    # A fix that breaks one of the cut-id tests: upstream's FAILED line for it: not resolved.
+    env.reset(task)
+    broken = TEXTVEC_FIXED.replace("return doc.read().split()", 'raise TypeError("no file")')
+    env.step(put("textvec/text.py", broken))
+    result = env.step("submit")
+    assert result.reward == 0.0 and result.info["tests"]["pass_to_pass_passed"] == 2
+    assert f"FAILED {TEXTVEC_TRUNCATED[0]}" in result.observation, result.observation
     # Doing nothing: test_strip_accents still fails (upstream: FAILED, not resolved).
     result = _play_patch(env, task, "")
     assert result.reward == 0.0 and result.info["tests"]["fail_to_pass_passed"] == 0

@@ -427,7 +427,7 @@ class SweEnv(FileTools):
         missing = [n for n in (*task.fail_to_pass, *task.pass_to_pass) if not outcomes.passed(n)]
         missing = [] if problem else missing  # The problem line says why none passed.
         for nodeid in missing[:5]:
-            state = outcomes.outcomes.get(nodeid, "not run")
+            state = outcomes.outcome(nodeid) or "not run"
             message = outcomes.messages.get(nodeid, "")
             lines.append(f"{state.upper()} {nodeid}" + (f" - {message[:200]}" if message else ""))
         if len(missing) > 5:

@@ -55,19 +55,11 @@ _DJANGO_SERIAL = ("./tests/runtests.py", "--verbosity", "2")  # Django 1.9.
 # The environment upstream's eval_commands export for Django 1.7 to 3.2 (the locale its tests
 # expect; for 3.x upstream also runs locale-gen, which the images need already done).
 _DJANGO_ENV = {"LANG": "en_US.UTF-8", "LC_ALL": "en_US.UTF-8", "LANGUAGE": "en_US:en"}
+# Versions upstream exports it for -> its PYTHONIOENCODING there ("": none).
 _DJANGO_ENV_VERSIONS = {
-    "1.7": "utf8",
-    "1.8": "utf8",
-    "1.9": "utf8",
-    "1.10": "utf8",
-    "1.11": "utf8",
-    "2.0": "utf8",
-    "2.1": "utf8",
-    "2.2": "utf8",
-    "3.0": "",
-    "3.1": "",
-    "3.2": "",
-}  # version -> PYTHONIOENCODING; fmt: skip
+    **dict.fromkeys(("1.7", "1.8", "1.9", "1.10", "1.11", "2.0", "2.1", "2.2"), "utf8"),
+    **dict.fromkeys(("3.0", "3.1", "3.2"), ""),
+}
 _SYMPY = ("bin/test", "-C", "--verbose")
 _SYMPY_ENV = {"PYTHONWARNINGS": "ignore::UserWarning,ignore::SyntaxWarning"}
 # Repositories whose upstream parser rewrites parametrised ids (parse_log_pytest_options).

@@ -159,6 +159,14 @@ def test_truncated_parametrised_ids_match_as_upstream(env, tmp_path):
     exact = TestOutcomes(run.report, key=lambda nodeid: nodeid)
     assert [i for i in task.pass_to_pass if not exact.passed(i)] == list(TEXTVEC_TRUNCATED)
     assert swebench.report(outcomes.passed, task.fail_to_pass, task.pass_to_pass)["resolved"]
+    # The Docker executor's pytest grading (report plugin; here in a jail) matches them too.
+    options = pytest_options(task.pytest_args, task.test_files())
+    gold = _overlay(task, task.patch)[0]
+    run, outcomes, problem = grade_in_docker(
+        _JailExecutor(), task, gold, _LIMITS, "python", options
+    )
+    assert problem is None and len(run.report) >= 5, run.output[-2000:]
+    assert swebench.report(outcomes.passed, task.fail_to_pass, task.pass_to_pass)["resolved"]
     # A fix that breaks one of the cut-id tests: upstream's FAILED line for it: not resolved.
     env.reset(task)
     broken = TEXTVEC_FIXED.replace("return doc.read().split()", 'raise TypeError("no file")')

@@ -9,10 +9,13 @@ Two sources:
   They run in the Docker executor (`executor="docker"`), which needs Docker.
 
 An instance's SWE-bench fields: `instance_id`, `repo`, `base_commit`, `problem_statement`,
-`hints_text`, `version`, `FAIL_TO_PASS`, `PASS_TO_PASS`, `test_patch` and `patch` (the gold
-fix). The builder adds: `bug_patch` (turns the pristine tree into the buggy one; the reverse of
-`patch`), `package`, `tree` (relative to the data root), `pythonpath`, `pytest_args`,
-`walkthrough` (expert actions: apply `patch` with the tools and submit) and `mutation`.
+`hints_text`, `created_at`, `version`, `environment_setup_commit`, `FAIL_TO_PASS`,
+`PASS_TO_PASS`, `test_patch` and `patch` (the gold fix); fields of neither list (SWE-bench
+Verified's `difficulty`, ...) are kept in `SweTask.extra`, and `task_to_instance` gives them all
+back. An instance without FAIL_TO_PASS tests is refused. The builder adds: `bug_patch` (turns
+the pristine tree into the buggy one; the reverse of `patch`), `package`, `tree` (relative to
+the data root), `pythonpath`, `pytest_args`, `walkthrough` (expert actions: apply `patch` with
+the tools and submit) and `mutation`.
 """
 
 from __future__ import annotations
@@ -27,6 +30,8 @@ from typing import Any
 
 from envs import base
 from envs.base import Task
+from envs.swe.patching import patched_paths
+from envs.swe.swebench import runner
 
 __all__ = [
     "DATA_ENV_VAR",
@@ -77,6 +82,10 @@ class SweTask(Task):
         source: "synthetic" or "swebench".
         image: Docker image that holds the repository (SWE-bench tasks).
         hints: SWE-bench `hints_text`.
+        created_at: SWE-bench `created_at` (when the fix's pull request was opened).
+        environment_setup_commit: SWE-bench `environment_setup_commit` (the commit whose
+            dependencies the instance's environment was built from).
+        extra: The instance's other fields, as they came (kept for `task_to_instance`).
     """
 
     repo: str = ""
@@ -96,9 +105,17 @@ class SweTask(Task):
     source: str = "synthetic"
     image: str = ""
     hints: str = ""
+    created_at: str = ""
+    environment_setup_commit: str = ""
+    extra: dict[str, Any] = dataclasses.field(default_factory=dict, hash=False)
 
     def test_files(self) -> list[str]:
-        """The files holding the FAIL_TO_PASS and PASS_TO_PASS tests, sorted."""
+        """The files holding the FAIL_TO_PASS and PASS_TO_PASS tests, sorted.
+
+        For django and sympy, whose ids name no file, the test files `test_patch` touches.
+        """
+        if runner(self.repo) != "pytest":
+            return sorted(p for p in patched_paths(self.test_patch) if p.endswith(".py"))
         return sorted({n.split("::", 1)[0] for n in (*self.fail_to_pass, *self.pass_to_pass)})
 
 
@@ -117,8 +134,23 @@ def _as_list(value: Any, field: str, instance_id: str) -> tuple[str, ...]:
     return tuple(value)
 
 
+# The fields `instance_to_task` reads; any other is kept in `SweTask.extra`.
+_FIELDS = frozenset({
+    "instance_id", "repo", "base_commit", "problem_statement", "hints_text", "created_at",
+    "version", "environment_setup_commit", "FAIL_TO_PASS", "PASS_TO_PASS", "test_patch", "patch",
+    "bug_patch", "tree", "source", "namespace", "image", "package", "pythonpath", "pytest_args",
+    "walkthrough",
+})  # fmt: skip
+
+
 def instance_to_task(instance: dict[str, Any], root: pathlib.Path | None = None) -> SweTask:
-    """A task from one instance dict (SWE-bench schema plus the builder's fields)."""
+    """A task from one instance dict (SWE-bench schema plus the builder's fields).
+
+    Raises:
+        ValueError: If a required field is missing, a test list is malformed, or FAIL_TO_PASS
+            is empty (with no test that the fix must make pass, any patch would grade as
+            resolved without a test being run).
+    """
     for key in ("instance_id", "repo", "problem_statement", "FAIL_TO_PASS"):
         if key not in instance:
             raise ValueError(
@@ -126,6 +158,13 @@ def instance_to_task(instance: dict[str, Any], root: pathlib.Path | None = None)
                 "the SWE-bench instance schema."
             )
     iid = str(instance["instance_id"])
+    fail_to_pass = _as_list(instance.get("FAIL_TO_PASS"), "FAIL_TO_PASS", iid)
+    if not fail_to_pass:
+        raise ValueError(
+            f"Instance {iid}: FAIL_TO_PASS is empty. An instance needs at least one test that "
+            "fails before the fix and passes after it; without one every patch, even an empty "
+            "one, would grade as resolved."
+        )
     tree = instance.get("tree") or ""
     if tree and root is not None and not os.path.isabs(tree):
         tree = str(root / tree)
@@ -138,7 +177,7 @@ def instance_to_task(instance: dict[str, Any], root: pathlib.Path | None = None)
         repo=str(instance["repo"]),
         base_commit=str(instance.get("base_commit", "")),
         problem_statement=str(instance["problem_statement"]),
-        fail_to_pass=_as_list(instance.get("FAIL_TO_PASS"), "FAIL_TO_PASS", iid),
+        fail_to_pass=fail_to_pass,
         pass_to_pass=_as_list(instance.get("PASS_TO_PASS"), "PASS_TO_PASS", iid),
         test_patch=str(instance.get("test_patch") or ""),
         patch=str(instance.get("patch") or ""),
@@ -152,6 +191,9 @@ def instance_to_task(instance: dict[str, Any], root: pathlib.Path | None = None)
         source=source,
         image=image,
         hints=str(instance.get("hints_text") or ""),
+        created_at=str(instance.get("created_at") or ""),
+        environment_setup_commit=str(instance.get("environment_setup_commit") or ""),
+        extra={k: v for k, v in instance.items() if k not in _FIELDS},
     )
 
 
@@ -162,18 +204,24 @@ def swebench_image(instance_id: str, namespace: str | None = None) -> str:
 
 
 def task_to_instance(task: SweTask) -> dict[str, Any]:
-    """The SWE-bench fields of a task (e.g. to write predictions or re-export)."""
+    """The SWE-bench fields of a task, and the other fields it was loaded with (`extra`).
+
+    FAIL_TO_PASS and PASS_TO_PASS are lists (SWE-bench's harness reads lists and JSON strings).
+    """
     return {
         "instance_id": task.task_id,
         "repo": task.repo,
         "base_commit": task.base_commit,
         "problem_statement": task.problem_statement,
         "hints_text": task.hints,
+        "created_at": task.created_at,
         "version": task.version,
+        "environment_setup_commit": task.environment_setup_commit,
         "FAIL_TO_PASS": list(task.fail_to_pass),
         "PASS_TO_PASS": list(task.pass_to_pass),
         "test_patch": task.test_patch,
         "patch": task.patch,
+        **task.extra,
     }
 
 

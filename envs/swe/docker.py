@@ -8,10 +8,12 @@ the file tools) plus the in-memory edits, and every command runs in a fresh cont
 (`docker run --rm --network none` with memory, CPU and process limits) that receives the edits
 as a tar on stdin. Containers never outlive a step, so sandboxes still fork by `os.fork()`.
 
-Limits of this executor: file changes made by `run COMMAND` are not brought back (edit with the
-tools), and in-env grading runs pytest on the FAIL_TO_PASS/PASS_TO_PASS node ids, which is right
-for the pytest-based repositories but not for django or sympy (their own runners); grade those
-with the official harness (`python -m swebench.harness.run_evaluation`) on `diff`'s patch.
+Grading (`envs.swe.grading.grade_in_docker`) runs as SWE-bench's harness does: pytest with the
+repository's own options and the image's plugins (autoload on, as upstream), plus the report
+plugin; django and sympy with upstream's test command on the files `test_patch` touches, their
+outcomes read from the log (`envs.swe.swebench`). Limits of this executor: file changes made by
+`run COMMAND` are not brought back (edit with the tools), and the report plugin and the code
+under test share a process (the jail's signed harness is not used here).
 
 This machine has no Docker: constructing the executor raises `DockerUnavailableError` saying so.
 """
@@ -194,7 +196,7 @@ class DockerExecutor:
             "--pids-limit", str(self.pids),
             "--ulimit", f"fsize={limits.file_mb << 20}",
             "-e", "BPO_SWE_REPORT=/tmp/.report/report.jsonl",
-            "-e", "PYTEST_DISABLE_PLUGIN_AUTOLOAD=1", "-e", "PYTHONHASHSEED=0",
+            "-e", "PYTHONHASHSEED=0",
             "--entrypoint", "bash", task.image, "-c", script, "bash", *argv,
         ]  # fmt: skip
         for key, value in env.items():

@@ -30,7 +30,7 @@ from envs.base import TextEnv
 from envs.swe import tools
 from envs.swe.data import SweTask, load_tasks
 from envs.swe.filetools import FileTools, ToolError
-from envs.swe.grading import describe_refused, graded_files, graded_outcomes
+from envs.swe.grading import describe_refused, grade_in_docker, graded_files, graded_outcomes
 from envs.swe.jail import JAIL_ROOT, JailResult, Limits, check_jail, run_harness, run_in_jail
 from envs.swe.patching import PatchError, apply_patch
 from envs.swe.results import TestOutcomes, normalize_text
@@ -44,7 +44,7 @@ _EXECUTORS = ("jail", "docker")
 def pytest_options(pytest_args: Sequence[str], targets: Sequence[str]) -> list[str]:
     """pytest's options for a run on `targets` (no plugin to load; see `pytest_command`)."""
     return [
-        "-p", "no:cacheprovider", "-o", "addopts=", "-q", "--tb=short", "-rN", "--color=no",
+        "-p", "no:cacheprovider", "-q", "--tb=short", "-rN", "--color=no",
         *pytest_args, *targets,
     ]  # fmt: skip
 
@@ -52,9 +52,9 @@ def pytest_options(pytest_args: Sequence[str], targets: Sequence[str]) -> list[s
 def pytest_command(python: str, pytest_args: Sequence[str], targets: Sequence[str]) -> list[str]:
     """The pytest command line for `targets` (with the report plugin loaded).
 
-    The repository's own `addopts` are cleared (they often need plugins such as pytest-cov) and
-    plugin autoloading is off (`run_in_jail` sets PYTEST_DISABLE_PLUGIN_AUTOLOAD), so a run
-    depends only on pytest and the repository.
+    The repository's own options (`addopts`, plugins it loads with `-p`) are kept, as SWE-bench
+    keeps them; in a jail, plugin autoloading is off (the interpreter's entry-point plugins
+    are this project's, not the repository's).
     """
     return [python, "-m", "pytest", "-p", "bpo_swe_report", *pytest_options(pytest_args, targets)]
 
@@ -365,10 +365,9 @@ class SweEnv(TextEnv, FileTools):
         files, taken, refused = graded_files(task, ws)
         options = pytest_options(task.pytest_args, task.test_files())
         if self._docker is not None:
-            result = self._execute([self.python, "-m", "pytest", "-p", "bpo_swe_report", *options],
-                                   files, self.test_limits, report=True)  # fmt: skip
-            outcomes = TestOutcomes(result.report)
-            problem = f"the grading run could not start: {result.error}" if result.error else None
+            result, outcomes, problem = grade_in_docker(
+                self._docker, task, files, self.test_limits, self.python, options
+            )
         else:
             result = run_harness(
                 ws.base, files, options, limits=self.test_limits, python=self.python,
@@ -398,7 +397,7 @@ class SweEnv(TextEnv, FileTools):
         missing = [n for n in (*task.fail_to_pass, *task.pass_to_pass) if not outcomes.passed(n)]
         missing = [] if problem else missing  # The problem line says why none passed.
         for nodeid in missing[:5]:
-            state = outcomes.outcomes.get(nodeid, "not run")
+            state = outcomes.outcome(nodeid) or "not run"
             message = outcomes.messages.get(nodeid, "")
             lines.append(f"{state.upper()} {nodeid}" + (f" - {message[:200]}" if message else ""))
         if len(missing) > 5:

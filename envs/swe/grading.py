@@ -9,15 +9,23 @@ loads by name from a folder (`sitecustomize.py`, `usercustomize.py`, `*.pth`, by
 extension modules) always come from the pristine tree. The tests then run under the grading
 harness (`harness.py`, via `envs.swe.jail.run_harness`) in a fresh jail, and a test counts as
 passed only when the harness's signed, complete report says so (`graded_outcomes`).
+
+SWE-bench instances run in their Docker images (`grade_in_docker`): pytest repositories with the
+report plugin, django and sympy with upstream's own test command, their outcomes read from the
+log (`outcomes_from_log`); ids match as upstream matches them (`envs.swe.swebench`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import fnmatch
 import importlib.machinery
+from collections.abc import Mapping, Sequence
+from typing import Any
 
+from envs.swe import swebench
 from envs.swe.data import SweTask
-from envs.swe.jail import JailResult
+from envs.swe.jail import JailResult, Limits
 from envs.swe.patching import PatchError, apply_patch, patched_paths
 from envs.swe.results import TestOutcomes
 from envs.swe.workspace import PathError, Workspace
@@ -26,7 +34,9 @@ __all__ = [
     "RUNNER_FILES",
     "describe_refused",
     "graded_files",
+    "grade_in_docker",
     "graded_outcomes",
+    "outcomes_from_log",
     "is_test_path",
     "library_source",
 ]
@@ -140,6 +150,12 @@ def graded_outcomes(result: JailResult) -> tuple[TestOutcomes, str | None]:
             + ", ".join(map(str, end["late_plugins"][:5]))
             + "); no test counts as passed"
         )
+    if end.get("agent_plugins"):
+        return TestOutcomes(()), (
+            "a pytest plugin that the repository's configuration loads is a module the agent "
+            "changed (" + ", ".join(map(str, end["agent_plugins"][:5])) + "); no test counts "
+            "as passed"
+        )
     return TestOutcomes(result.report), None
 
 
@@ -156,3 +172,46 @@ def describe_refused(refused: list[str]) -> str | None:
         return None
     shown = ", ".join(refused[:8]) + (" ..." if len(refused) > 8 else "")
     return f"Not graded (tests, test configuration or files outside the library): {shown}"
+
+
+def outcomes_from_log(repo: str, log: str) -> TestOutcomes:
+    """The outcomes of a django or sympy run, read from its log as upstream reads it.
+
+    Their ids are the names the log prints (with spaces, for django), matched exactly.
+    """
+    statuses = swebench.LOG_PARSERS[swebench.runner(repo)](log)
+    return TestOutcomes(swebench.statuses_to_records(statuses), key=lambda name: name)
+
+
+def grade_in_docker(
+    docker: Any,
+    task: SweTask,
+    files: Mapping[str, bytes | None],
+    limits: Limits,
+    python: str,
+    pytest_options: Sequence[str],
+) -> tuple[JailResult, TestOutcomes, str | None]:
+    """(result, outcomes, why none can be trusted) of a grading run in the task's image.
+
+    Args:
+        docker: The `envs.swe.docker.DockerExecutor`.
+        task, files: The task and the overlay to grade (`graded_files`).
+        limits: The grading run's limits.
+        python: The image's interpreter (pytest repositories).
+        pytest_options: pytest's options and targets (pytest repositories).
+    """
+    kind = swebench.runner(task.repo)
+    if kind == "pytest":
+        argv = [python, "-m", "pytest", "-p", "bpo_swe_report", *pytest_options]
+        result = docker.run(task, files, argv, limits=limits, env={}, pytest_report=True)
+        outcomes = TestOutcomes(result.report, key=lambda n: swebench.pytest_key(n, task.repo))
+    else:
+        argv, env = swebench.test_command(task.repo, task.version, task.test_patch)
+        # The whole log: outcomes are read from it.
+        limits = dataclasses.replace(limits, output_chars=max(limits.output_chars,
+                                                              limits.file_mb << 20))  # fmt: skip
+        result = docker.run(task, files, argv, limits=limits, env=env)
+        outcomes = outcomes_from_log(task.repo, result.output)
+    if result.error:
+        return result, TestOutcomes(()), f"the grading run could not start: {result.error}"
+    return result, outcomes, None

@@ -20,8 +20,12 @@
   harness keeps a reference to every entry of `builtins` and to every function and class (and
   their methods) of pytest, pluggy, this harness, json, hashlib, os and io; after the session it
   checks that each is still the same object (a patched `builtins.len`, a replaced
-  `_pytest.runner.call_and_report`, ...), and that every plugin registered after the session
-  started is pytest's own or a conftest module (conftest files come from the pristine tree).
+  `_pytest.runner.call_and_report`, ...), that every plugin registered after the session
+  started is pytest's own or a conftest module (conftest files come from the pristine tree),
+  and that no plugin is a module the agent changed. The repository's own options are kept
+  (its `addopts`, the plugins it loads with `-p` or `pytest_plugins`), as SWE-bench keeps them:
+  they come from the pristine tree, so the agent cannot choose them, only (by editing a
+  library module such a plugin is) the code of one, which this check refuses.
 - An xfailed outcome counts (as in SWE-bench) only where the test has an `xfail` marker, or an
   imperative `pytest.xfail()` was raised with no frame in a file the agent changed.
 
@@ -131,6 +135,7 @@ class _Reporter:
         self._agent_files = frozenset(agent_files)
         self._start_plugins = set()
         self.late_plugins = []
+        self.agent_plugins = []
 
     def pytest_sessionstart(self, session):
         self._pm = session.config.pluginmanager
@@ -138,9 +143,13 @@ class _Reporter:
 
     def pytest_sessionfinish(self, session):
         for plugin in self._pm.get_plugins():
+            path = getattr(plugin, "__file__", None) or ""
+            if path in self._agent_files:  # A plugin the repository's config loads (`-p`,
+                # `pytest_plugins`) from a module the agent changed: its hooks decide outcomes.
+                self.agent_plugins.append(path)
+                continue
             if id(plugin) in self._start_plugins:
                 continue
-            path = getattr(plugin, "__file__", None) or ""
             if type(plugin).__module__.split(".")[0] in ("_pytest", "pytest"):
                 continue  # pytest's own (its fixture manager registers at session start).
             if os.path.basename(path) != "conftest.py" or path in self._agent_files:
@@ -222,7 +231,8 @@ def main(argv):
         sys.stderr.write(f"harness: pytest raised {type(e).__name__}: {e}\n")
     changed = _tampered(snap)
     emit({"when": "end", "exitstatus": status, "records": emitted(),
-          "changed": changed[:20], "late_plugins": reporter.late_plugins[:20]})  # fmt: skip
+          "changed": changed[:20], "late_plugins": reporter.late_plugins[:20],
+          "agent_plugins": reporter.agent_plugins[:20]})  # fmt: skip
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
+
+from envs.swe.swebench import combine_outcomes, pytest_key
 
 __all__ = ["PASSING", "TestOutcomes", "normalize_text", "summarize"]
 
@@ -25,11 +27,20 @@ class TestOutcomes:
     A test is "failed" if its call phase (or a subtest) failed, "error" if its setup or
     teardown failed, else the call's outcome ("passed", "skipped", "xfailed", "xpassed").
     `collect_errors` maps a file that could not be collected to its error message.
+
+    An id is looked up as SWE-bench's harness looks it up (`envs.swe.swebench`): the node id
+    itself and every node id whose `key` is that id (by default the node id cut at its first
+    space, as upstream's log parsers cut it), their outcomes combined as upstream's log would
+    record them (a failure or error of any of them decides).
     """
 
     __test__ = False  # Not a pytest test class, despite the name.
 
-    def __init__(self, records: Iterable[dict[str, Any]] | None):
+    def __init__(
+        self,
+        records: Iterable[dict[str, Any]] | None,
+        key: Callable[[str], str] = pytest_key,
+    ):
         self.outcomes: dict[str, str] = {}
         self.messages: dict[str, str] = {}
         self.collect_errors: dict[str, str] = {}
@@ -57,9 +68,19 @@ class TestOutcomes:
             if outcome == "pending":
                 self.outcomes[nodeid] = "error"
                 self.messages.setdefault(nodeid, "the test did not finish (timeout or crash)")
+        self._by_key: dict[str, list[str]] = {}
+        for nodeid in self.outcomes:
+            self._by_key.setdefault(key(nodeid), []).append(nodeid)
 
-    def passed(self, nodeid: str) -> bool:
-        return self.outcomes.get(nodeid) in PASSING
+    def outcome(self, test_id: str) -> str | None:
+        """The outcome of a node id or of a dataset id (see the class docstring); None: not run."""
+        nodeids = set(self._by_key.get(test_id, ()))
+        if test_id in self.outcomes:
+            nodeids.add(test_id)
+        return combine_outcomes(self.outcomes[n] for n in nodeids)
+
+    def passed(self, test_id: str) -> bool:
+        return self.outcome(test_id) in PASSING
 
     def passing(self) -> set[str]:
         return {n for n, o in self.outcomes.items() if o in PASSING}

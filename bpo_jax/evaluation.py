@@ -79,6 +79,8 @@ def pooled(results: list[dict]) -> dict:
         values = [r[key] for r in results]
         if isinstance(values[0], list):
             out[key] = [v for vs in values for v in vs]
+        elif key == "eval/update_step":
+            out[key] = values[0]
         elif key in ("eval/num_episodes", "eval/seconds"):
             out[key] = sum(values)
         else:
@@ -89,15 +91,25 @@ def pooled(results: list[dict]) -> dict:
 class EvalLog:
     """Evaluation results of this run, persisted to `evals.json` as they come."""
 
-    def __init__(self, path: Path, resume: bool, writer: MetricWriter):
+    def __init__(self, path: Path, resume: bool, writer: MetricWriter, splits=()):
         self.path = path
+        self.splits = tuple(splits)  # An evaluation counts as recorded once all splits are.
         self.writer = writer
         self.results = json.loads(path.read_text()) if resume and path.exists() else {}
 
     def __contains__(self, name):
-        return name in self.results
+        return name in self.results and all(
+            f"{name}/{split}" in self.results for split in self.splits
+        )
+
+    def step_of(self, name: str) -> int | None:
+        """The update step evaluation `name` was recorded at (None: not recorded)."""
+        if name not in self.results:
+            return None
+        return self.results[name].get("eval/update_step")
 
     def record(self, name: str, result: dict, step: int):
+        result = {**result, "eval/update_step": int(step)}
         self.results[name] = result
         tmp = self.path.with_suffix(".tmp")
         tmp.write_text(json.dumps(self.results, indent=2))

@@ -67,10 +67,15 @@ class Run:
     ckpt: Checkpointer
     evals: EvalLog
 
-    def evaluate(self, name: str, label: str, seed: int, state: RunState) -> None:
+    def evaluate(
+        self, name: str, label: str, seed: int, state: RunState, *, current: bool = False
+    ) -> None:
         """Runs and records evaluation `name` (every split; see `bpo_jax.evaluation`) unless
-        this run has recorded it already."""
-        if name in self.evals:
+        this run has recorded it already (a resumed run does not repeat it). With `current`,
+        a record made at other parameters is redone (the final evaluation of a run whose
+        `train.iterations` was raised after it finished)."""
+        step = self.evals.step_of(name)
+        if name in self.evals and not (current and step is not None and step != state.step):
             return
         self.policy.params = state.train.params
         rng = jax.random.fold_in(state.rng, seed)
@@ -134,7 +139,12 @@ def open_run(cfg: ExperimentConfig, workdir: Path, raw_config=None):
                 updater=learner.RLUpdater(graphdef, cfg, tokenizer.pad_id, writer.write),
                 writer=writer,
                 ckpt=ckpt,
-                evals=EvalLog(workdir / "evals.json", ckpt.latest_step() is not None, writer),
+                evals=EvalLog(
+                    workdir / "evals.json",
+                    ckpt.latest_step() is not None,
+                    writer,
+                    splits=list(eval_tasks),
+                ),
             )
             yield run, mcfg, params
             ckpt.wait()
@@ -316,7 +326,7 @@ def reinforcement_learning(run: Run, state: RunState) -> RunState:
 
 def final_evaluation(run: Run, state: RunState) -> dict:
     """Evaluates after RL; returns the run's summary."""
-    run.evaluate("after_rl", "after RL", EVAL_SEEDS["after_rl"], state)
+    run.evaluate("after_rl", "after RL", EVAL_SEEDS["after_rl"], state, current=True)
     return {
         "eval_split": run.cfg.env.eval_split,
         "eval_tasks": sum(len(t) for t in run.eval_tasks.values()),
@@ -324,7 +334,8 @@ def final_evaluation(run: Run, state: RunState) -> dict:
         "success_initial": run.evals.success("initial"),
         "success_before_rl": run.evals.success("before_rl"),
         "success_after_rl": run.evals.success("after_rl"),
-        "updates": state.step,
+        "updates": state.step,  # Behaviour cloning's included.
+        "rl_updates": state.step - int(state.meta.get("bc_step", 0)),
         "iterations": state.iteration,
         "sandbox": run.pool.stats(),
     }

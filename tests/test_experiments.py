@@ -138,9 +138,16 @@ def test_kl_reference_run_and_resume(tmp_path):
     train_and_evaluate(cfg, tmp_path)
     kls = [r["train/kl_ref_mean"] for r in read_metrics(tmp_path) if "train/kl_ref_mean" in r]
     assert kls and all(k >= 0 for k in kls)
+    first = json.loads((tmp_path / "evals.json").read_text())
     cfg.train.iterations = 2  # Resume the finished run for one more iteration.
     summary = train_and_evaluate(cfg, tmp_path)
     assert summary["iterations"] == 2
+    evals = json.loads((tmp_path / "evals.json").read_text())
+    # The final evaluation is redone at the new parameters; the earlier ones are kept.
+    assert evals["after_rl"]["eval/update_step"] == summary["updates"]
+    assert first["after_rl"]["eval/update_step"] < summary["updates"]
+    assert evals["before_rl"] == first["before_rl"]
+    assert summary["rl_updates"] == summary["updates"] - cfg.bc.steps
 
 
 @pytest.mark.parametrize("algo", ["bpo", "ppo"])

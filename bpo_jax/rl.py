@@ -20,7 +20,7 @@ import numpy as np
 from bpo_jax import learner
 from bpo_jax.branching import CostModel, LengthModel, make_selector
 from bpo_jax.config import ExperimentConfig
-from bpo_jax.estimators import gae, step_advantages
+from bpo_jax.estimators import gae, step_advantages, tree_advantages
 from bpo_jax.forest import ForestArrays, RolloutForest
 from bpo_jax.learner import Example
 from bpo_jax.rollout import TreeSpec, play_forest, prompt_encoder
@@ -211,6 +211,26 @@ def rl_iteration(
     return state, metrics
 
 
+def branch_metrics(forest: RolloutForest) -> dict:
+    """Whether branch points carry signal: the share of branch points whose children's values
+    differ, and the mean spread (population variance) of the children's values."""
+    if not forest.num_branch_points:
+        return {}
+    f = forest.arrays().forest
+    values, _ = tree_advantages(f.seg_parent, f.seg_child, f.seg_reward, f.num_nodes, "rloo")
+    values = np.asarray(values, np.float64)
+    children: dict[int, list[float]] = {}
+    roots = len(forest.task_ids)
+    for s, seg in enumerate(forest.segments):
+        if seg.parent >= roots:
+            children.setdefault(seg.parent, []).append(values[s])
+    spread = np.array([np.var(v) for v in children.values()])
+    return {
+        "train/branch_points_divergent": float(np.mean(spread > 1e-12)),
+        "train/branch_children_var": float(spread.mean()),
+    }
+
+
 def rollout_metrics(forest: RolloutForest, adv: np.ndarray) -> dict:
     """Success and return as estimates for the policy (leaves weighted by their path mass)."""
     mass = forest.leaf_mass()
@@ -233,6 +253,7 @@ def rollout_metrics(forest: RolloutForest, adv: np.ndarray) -> dict:
         "train/faults": sum(leaf.error is not None for leaf in forest.leaves),
         "compute/task_cost_mean": float(np.mean(forest.task_cost)),
         **spend_metrics(forest),
+        **branch_metrics(forest),
         "compute/generated_per_leaf": forest.stats.generated_tokens / leaves,
         "compute/prefilled_per_leaf": forest.stats.prefilled_tokens / leaves,
     }

@@ -133,3 +133,12 @@ def test_misuse_is_refused():
         b.branch(p, 0)
     with pytest.raises(ValueError, match="2 task ids for 1 tasks"):
         b.build(["a", "b"], ComputeStats(), [0.0])
+
+
+def test_branch_metrics_by_hand():
+    from bpo_jax.rl import branch_metrics
+
+    # One branch point, its children's values 1, 0, 0.
+    m = branch_metrics(build_tree())
+    assert m["train/branch_points_divergent"] == 1.0
+    assert m["train/branch_children_var"] == pytest.approx(np.var([1.0, 0.0, 0.0]))

@@ -103,6 +103,7 @@ class RolloutForest:
       stats: the compute the batch used.
       task_cost: [num_tasks] what each task spent, in the budget's unit.
       budget: the per-task budget the batch was played under (inf: none).
+      seconds: wall-clock seconds of the play, per phase ("sampling", "env").
     """
 
     task_ids: list[str]
@@ -112,6 +113,7 @@ class RolloutForest:
     stats: ComputeStats
     task_cost: np.ndarray
     budget: float = float("inf")
+    seconds: dict = dataclasses.field(default_factory=dict)  # Wall time per phase of play.
 
     @property
     def spend_ratio(self) -> np.ndarray:

@@ -24,6 +24,7 @@ from bpo_jax.estimators import gae, step_advantages, tree_advantages
 from bpo_jax.forest import ForestArrays, RolloutForest
 from bpo_jax.learner import Example
 from bpo_jax.rollout import TreeSpec, play_forest, prompt_encoder
+from bpo_jax.timing import CompileClock
 
 
 def forest_examples(forest: RolloutForest, adv: np.ndarray, weights: np.ndarray) -> list[Example]:
@@ -186,6 +187,7 @@ def rl_iteration(
     """Grows every task's forest, computes advantages and updates the policy."""
     cfg = updater.cfg
     rollout_state = rollout_state or RolloutState.create(cfg)
+    compile0 = CompileClock.total()
     t0 = time.time()
     policy.params = state.params
     forest, spec = play_batch(pool, policy, tasks, cfg, rollout_state, rng)
@@ -202,6 +204,10 @@ def rl_iteration(
         "train/rollout_seconds": t_rollout,
         "train/update_seconds": time.time() - t1,
         "train/iteration_seconds": time.time() - t0,
+        # Where the rollout's time went, and JAX compilation during the iteration (inside
+        # whichever phase first ran a program).
+        **{f"time/{k}_seconds": v for k, v in forest.seconds.items()},
+        "time/compile_seconds": CompileClock.total() - compile0,
         **extra_metrics,
         **forest.stats.as_dict("compute/"),
     }

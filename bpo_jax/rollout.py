@@ -44,6 +44,7 @@ from bpo_jax.forest import ComputeStats, RolloutForest, StepRecord, Trajectory
 from bpo_jax.forest_builder import ForestBuilder, LivePath
 from bpo_jax.planner import BranchPlanner
 from bpo_jax.posthoc import posthoc_branches
+from bpo_jax.timing import Timer
 
 __all__ = [
     "ComputeStats",
@@ -112,6 +113,7 @@ class _Lockstep:
         self.tasks, self.spec, self.planner = list(tasks), spec, planner
         self.greedy, self.bar = greedy, bar
         self.stats = ComputeStats()
+        self.timer = Timer()  # Seconds in the policy (sampling) and in the sandboxes (env).
         self.builder = ForestBuilder(len(self.tasks))
         self.finished_backbones: list[LivePath] = []
         self.live: list[LivePath] = []  # Paths with an open sandbox (closed on any exit).
@@ -119,11 +121,13 @@ class _Lockstep:
 
     def start(self) -> None:
         k0 = self.spec.root_group
-        resets = self.pool.reset_many(self.tasks)
+        with self.timer("env"):
+            resets = self.pool.reset_many(self.tasks)
         self.stats.resets += len(resets)
         for ti, (sid, obs, info) in enumerate(resets):
             # The reset sandbox plays the first member; the others are live copies of it.
-            sids = [sid, *self.pool.clone(sid, k0 - 1)]
+            with self.timer("env"):
+                sids = [sid, *self.pool.clone(sid, k0 - 1)]
             self.stats.clones += k0 - 1
             for fsid in sids:
                 path = self.builder.start_path(
@@ -214,10 +218,11 @@ class _Lockstep:
         live = self.live
         while live:
             prompts = [self.encode(p.episode) for p in live]
-            ctx = self.policy.prefill(prompts)
-            self.stats.prefilled_tokens += ctx.prefilled_tokens
-            rows = list(range(len(live)))
-            samples = self._sample(live, ctx, rows)
+            with self.timer("sampling"):
+                ctx = self.policy.prefill(prompts)
+                self.stats.prefilled_tokens += ctx.prefilled_tokens
+                rows = list(range(len(live)))
+                samples = self._sample(live, ctx, rows)
             tokens = sum(len(s.token_ids) for s in samples)
             self.stats.generated_tokens += tokens
             self.planner.costs.record(len(samples), tokens)
@@ -229,7 +234,8 @@ class _Lockstep:
                         p.history.append((self.pool.snapshot(p.sid), copy.deepcopy(p.episode)))
                         self.stats.snapshots += 1
             actions = [parse_action(s.text) for s in samples]
-            results = self.pool.step_many([(p.sid, a) for p, a in zip(live, actions)])
+            with self.timer("env"):
+                results = self.pool.step_many([(p.sid, a) for p, a in zip(live, actions)])
             self.stats.env_steps += len(live)
             still = []
             for p, row, sample, action, res in zip(live, rows, samples, actions, results):
@@ -326,7 +332,9 @@ def play_forest(
     finally:
         loop.release_all()
     task_ids = [t.task_id for t in loop.tasks]
-    return loop.builder.build(task_ids, loop.stats, planner.spent, spec.budget)
+    forest = loop.builder.build(task_ids, loop.stats, planner.spent, spec.budget)
+    forest.seconds = dict(loop.timer.seconds)
+    return forest
 
 
 def prompt_encoder(tokenizer, history_turns: int, max_prompt_tokens: int):

@@ -125,6 +125,11 @@ def test_cpu_variant_runs_two_iterations(tmp_path):
     iters = [r for r in records if "train/iteration" in r]
     assert [r["train/iteration"] for r in iters] == [1, 2]
     assert all(r["compute/generated_tokens"] > 0 and r["compute/env_steps"] > 0 for r in iters)
+    for r in iters:  # Where the time went.
+        assert r["time/sampling_seconds"] > 0 and r["time/env_seconds"] > 0
+        assert r["time/compile_seconds"] >= 0
+        assert r["time/sampling_seconds"] + r["time/env_seconds"] <= r["train/rollout_seconds"]
+    assert iters[0]["time/compile_seconds"] > 0  # The first iteration compiles the update.
     assert (tmp_path / "tokenizer.model").exists()
     assert json.loads((tmp_path / "summary.json").read_text())["iterations"] == 2
 

@@ -3,7 +3,10 @@
 Costs: a snapshot or a restore is one fork of a process whose memory is shared copy-on-write
 (milliseconds, flat in the episode's length); a held snapshot costs the pages the live workers
 have since written (reported from /proc/<pid>/smaps_rollup). See `forkserver_proc` for the
-process side and the process tree.
+process side and the process tree: trainer -> keeper -> zygote -> workers -> frozen copies ->
+workers. The keeper (a child subreaper) keeps every process of the backend below it, so that a
+SIGKILLed zygote's workers are still the backend's (counted, driven, reaped); the next new
+sandbox then starts a new keeper and zygote.
 
 Limits: only the worker process is copied. An env that keeps state in child processes refuses
 to snapshot (use `criu`); one that keeps state in open files shares their offsets between copies.
@@ -132,7 +135,7 @@ class ForkBackend(SandboxBackend):
             pid = _receive_hello(fd, _CONTROL_TIMEOUT_S)
         except SandboxFault as e:
             os.close(fd)
-            _stop_keeper(self._keeper, first=signal.SIGTERM)
+            _stop_keeper(self._keeper, sigterm_first=True)
             raise BackendUnavailableError(f"The fork server did not start: {e.reason}") from e
         self._zygote = Remote(pid, fd, fd, pgid=None, label="fork-server zygote")
         try:
@@ -288,9 +291,9 @@ class ForkBackend(SandboxBackend):
         # keeper holds the orphans: SIGTERM makes it kill them.
         alive = self._zygote.alive()
         self._zygote.let_go()
-        _stop_keeper(self._keeper, first=None if alive else signal.SIGTERM)
+        _stop_keeper(self._keeper, sigterm_first=not alive)
         for keeper in self._retired:
-            _stop_keeper(keeper, first=signal.SIGTERM)
+            _stop_keeper(keeper, sigterm_first=True)
         self._retired.clear()
 
     def _keepers(self) -> list[subprocess.Popen]:
@@ -312,11 +315,11 @@ class ForkBackend(SandboxBackend):
         return pids
 
 
-def _stop_keeper(keeper: subprocess.Popen, first: int | None) -> None:
-    """Waits for a keeper to exit: up to 10 s after `first` (None: no signal), then 10 s after
-    SIGTERM (it kills everything below it), then SIGKILL."""
-    steps = [(first, 10.0), (signal.SIGTERM, 10.0), (signal.SIGKILL, None)]
-    for sig, timeout_s in steps[0 if first is None else 1 :]:
+def _stop_keeper(keeper: subprocess.Popen, sigterm_first: bool) -> None:
+    """Waits for a keeper to exit: 10 s on its own (unless `sigterm_first`), then 10 s after
+    SIGTERM (it kills everything below it), then SIGKILL as the last resort."""
+    steps = [(None, 10.0), (signal.SIGTERM, 10.0), (signal.SIGKILL, None)]
+    for sig, timeout_s in steps[1 if sigterm_first else 0 :]:
         if sig is not None and keeper.poll() is None:
             keeper.send_signal(sig)
         try:

@@ -235,7 +235,7 @@ def _run_keeper(zygote: int, trainer: int) -> None:
         # The zygote is gone. Its orphans (if it died before killing them) are ours now: the
         # trainer still drives them; wait until it has killed them all.
         while procutil.descendant_pids(os.getpid()):
-            time.sleep(0.1)
+            time.sleep(0.25)  # A walk of /proc each time: keep it rare.
     except _Stop:
         pass
     finally:

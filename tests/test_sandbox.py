@@ -384,6 +384,10 @@ def test_a_killed_zygotes_workers_are_found_kept_and_reaped():
         sid, observation, _ = pool.reset(CounterTask("after"))  # On a new zygote.
         assert observation.startswith("count=0 ") and backend._zygote.pid != old_zygote
         assert backend.process_count() == 7
+        # A zygote killed just before a reset (it may still be dying when the spawn is sent).
+        os.kill(backend._zygote.pid, signal.SIGKILL)
+        assert pool.reset(CounterTask("at once"))[1].startswith("count=0 ")
+        assert backend.process_count() == 8 and len(backend._retired) == 2
         orphan = pool.pid(sids[1])
         pool.close_sandbox(sids[1])
         assert _reaped(orphan), "the keeper reaps an orphan the trainer killed"
@@ -397,6 +401,7 @@ def test_a_killed_zygotes_workers_are_found_kept_and_reaped():
 
 
 @pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM], ids=["SIGKILL", "SIGTERM"])
-def test_fork_sandboxes_die_with_the_trainer(sig):
-    returncode = trainer_death_scenario("fork", sig, str(REPO))
+@pytest.mark.parametrize("kill_zygote", [False, True], ids=["", "zygote-killed-first"])
+def test_fork_sandboxes_die_with_the_trainer(sig, kill_zygote):
+    returncode = trainer_death_scenario("fork", sig, str(REPO), kill_zygote=kill_zygote)
     assert returncode == -sig  # SIGTERM: the pool cleans up, then dies of the signal.

@@ -48,8 +48,18 @@ class EpisodeText:
         self.current = observation.strip()
 
 
+# Lone surrogates (U+D800..U+DFFF outside a pair) are not Unicode text: no encoder takes them
+# (SentencePiece raises a RuntimeError). An observation can hold them (a tool's output decoded
+# with surrogateescape, an env's bug), and so can an action echoed back into the history.
+_SURROGATES = re.compile("[\ud800-\udfff]")
+
+
 def _clean(text: str) -> str:
-    return " ".join(text.split())
+    """Collapses whitespace and replaces lone surrogates with U+FFFD, so any tokenizer takes it."""
+    text = " ".join(text.split())
+    if not text.isascii():
+        text = _SURROGATES.sub("\ufffd", text)
+    return text
 
 
 def build_prompt(ep: EpisodeText, history_turns: int) -> list[str]:

@@ -12,7 +12,8 @@ The info contract (every `reset` and `step` of a `TextEnv`):
 - `invalid_action` (bool): the env rejected or ignored the action (ALFWorld's "Nothing
   happens.", WebShop's unavailable click, a malformed tool call, no action at all);
 - `truncated` (bool): the same as the `truncated` flag (the step limit cut the episode off);
-- `steps` (int): actions taken in the episode so far.
+- `steps` (int): actions taken in the episode so far;
+- `refused` (str, only on a step whose action `action_refusal` refused): why.
 Environments add their own keys (`goal` at reset, `admissible_commands`, ...).
 
 Tasks: `reset(options={"task": task})` plays `task`, an instance of the env's `Task` subclass;
@@ -53,6 +54,7 @@ __all__ = [
     "Task",
     "TextEnv",
     "TextSpace",
+    "action_refusal",
     "env_class",
     "known_envs",
     "load_tasks",
@@ -284,7 +286,10 @@ class TextEnv(gymnasium.Env):
 
         Args:
             action: The agent's text, or None when no action could be parsed from its output
-                (always invalid). Invalid actions are answered, never raised.
+                (always invalid). Invalid actions are answered, never raised. Text that
+                `action_refusal` refuses (not a str, over `ACTION_MAX_CHARS`, a NUL, a lone
+                surrogate) never reaches the env: the step is an invalid action whose
+                observation and `info["refused"]` say why.
 
         Returns:
             `(observation, reward, terminated, truncated, info)`.
@@ -294,7 +299,15 @@ class TextEnv(gymnasium.Env):
         """
         self.check_can_step()
         self._steps += 1
-        observation, reward, terminated, info = self._play(action)
+        refusal = None if action is None else action_refusal(action)
+        if refusal is None:
+            observation, reward, terminated, info = self._play(action)
+        else:
+            # Text no env could act on: answered here, at a cost bounded by ACTION_MAX_CHARS,
+            # before the env writes it to a file, a pipe or a tokenizer that would raise.
+            observation, terminated = f"Invalid action: {refusal}", False
+            reward = -self.invalid_action_penalty
+            info = {"won": False, "invalid_action": True, "refused": refusal}
         terminated = bool(terminated)
         truncated = not terminated and self.last_step
         self._done = terminated or truncated
@@ -338,6 +351,32 @@ class TextEnv(gymnasium.Env):
         info["truncated"] = truncated
         info["steps"] = self._steps
         return info
+
+
+def action_refusal(action: Any) -> str | None:
+    """Why no env should be given `action`, or None if it is text an env can act on.
+
+    Refused: anything but a `str`; more than `ACTION_MAX_CHARS` characters; a NUL (it ends a C
+    string: a path or a command line would be cut short or rejected by the OS); a lone
+    surrogate (U+D800..U+DFFF on its own is not Unicode text: encoding it to UTF-8 raises).
+    The checks cost O(len(action)) with the length checked first, so the cost is bounded.
+    """
+    if not isinstance(action, str):
+        return f"an action is text (a str), got {type(action).__name__}."
+    if len(action) > ACTION_MAX_CHARS:
+        return f"the action has {len(action):,} characters; at most {ACTION_MAX_CHARS:,} are read."
+    nul = action.find("\x00")
+    if nul >= 0:
+        return f"the action holds a NUL character (at {nul}); write plain text."
+    if not action.isascii():
+        try:
+            action.encode("utf-8")
+        except UnicodeEncodeError as e:
+            return (
+                f"the action holds a lone surrogate (U+{ord(action[e.start]):04X} at {e.start}),"
+                " which is not valid Unicode text; write plain text."
+            )
+    return None
 
 
 # The sandbox layer's view of an env -------------------------------------------------------------

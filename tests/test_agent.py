@@ -68,3 +68,25 @@ def test_encode_prompt_respects_budget_and_keeps_current_observation():
 )
 def test_parse_action(text, expected):
     assert parse_action(text) == expected
+
+
+def test_encode_prompt_takes_lone_surrogates_and_nul(tmp_path):
+    """A lone surrogate in an observation or an action of the history (no valid Unicode text)
+    must not crash SentencePiece's encoder; it becomes U+FFFD. NUL is text to SentencePiece."""
+    from bpo_jax.agent import SPECIAL_SYMBOLS
+    from bpo_jax.tokenizer import train_sentencepiece
+
+    tok = train_sentencepiece([FIRST, "go to desk 1", "You arrive at desk 1."] * 20,
+                              tmp_path / "sp", 300, SPECIAL_SYMBOLS)  # fmt: skip
+    with pytest.raises(RuntimeError):  # What the agent must never hand the tokenizer.
+        tok.encode("desk \ud800 1")
+    ep = EpisodeText.start(FIRST)
+    ep.record("go to desk \udcff1", "You arrive at \ud800desk 1.\x00")
+    ep.record("look\ud83d", "You see \udfff.")
+    ids = encode_prompt(tok, ep, history_turns=4, max_tokens=10_000)
+    text = tok.decode(ids)
+    assert "go to desk \ufffd1" in text and "\ufffddesk 1.\x00" in text
+    assert "<act> look\ufffd </act>" in text and text.endswith("<obs> You see \ufffd. <act>")
+    # A valid surrogate pair is one character, kept as it is.
+    ep.record("take \U0001f34e 1", "ok")
+    assert "take \U0001f34e 1" in tok.decode(encode_prompt(tok, ep, 4, 10_000))

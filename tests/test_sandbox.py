@@ -7,6 +7,7 @@ matching its own replay. The CRIU backend's tests live in test_sandbox_criu.py.
 
 import os
 import signal
+import time
 from pathlib import Path
 
 import pytest
@@ -344,10 +345,63 @@ def test_unpicklable_reply_is_a_fault_not_a_hang():
         assert result.info["fault"] == "error" and "could not be pickled" in result.info["error"]
 
 
+def _ppid(pid: int) -> int:
+    with open(f"/proc/{pid}/stat") as f:
+        stat = f.read()
+    return int(stat[stat.rindex(")") + 2 :].split()[1])
+
+
+def _reaped(pid: int, timeout_s: float = 5.0) -> bool:
+    """Whether `pid` is gone from /proc (not even a zombie) within `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    while os.path.exists(f"/proc/{pid}"):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.01)
+    return True
+
+
+def test_a_killed_zygotes_workers_are_found_kept_and_reaped():
+    """SIGKILL of the zygote: its workers re-parent to the backend's keeper (not to PID 1), so
+    they stay among our descendants, go on serving their episodes, and are reaped at close; the
+    next reset starts a new zygote."""
+    before = _descendants()
+    with SandboxPool(COUNTER, {}, backend="fork", step_timeout_s=10) as pool:
+        sids = [s for s, _, _ in pool.reset_many([CounterTask(f"t{i}") for i in range(3)])]
+        handle = pool.snapshot(sids[0])
+        sids += pool.fork(handle, 2)
+        workers = {pool.pid(sid) for sid in sids}
+        backend = pool.backend
+        old_zygote, old_keeper = backend._zygote.pid, backend._keeper.pid
+        assert backend.process_count() == 6  # Five workers and the frozen copy.
+        os.kill(old_zygote, signal.SIGKILL)
+        assert procutil.wait_gone([old_zygote], timeout_s=5) == []
+        assert all(procutil.pid_alive(pid) for pid in workers)
+        assert [_ppid(pool.pid(sid)) for sid in sids[:3]] == [old_keeper] * 3
+        assert workers <= _descendants() and backend.process_count() == 6
+        results = pool.step_many([(sid, "inc") for sid in sids])
+        assert all(r.observation.startswith("count=1 ") and "fault" not in r.info for r in results)
+        sid, observation, _ = pool.reset(CounterTask("after"))  # On a new zygote.
+        assert observation.startswith("count=0 ") and backend._zygote.pid != old_zygote
+        assert backend.process_count() == 7
+        # A zygote killed just before a reset (it may still be dying when the spawn is sent).
+        os.kill(backend._zygote.pid, signal.SIGKILL)
+        assert pool.reset(CounterTask("at once"))[1].startswith("count=0 ")
+        assert backend.process_count() == 8 and len(backend._retired) == 2
+        orphan = pool.pid(sids[1])
+        pool.close_sandbox(sids[1])
+        assert _reaped(orphan), "the keeper reaps an orphan the trainer killed"
+    assert leftover_processes(before) == []
+    assert not procutil.pid_alive(old_keeper)
+    zombies = [p for p in procutil.child_pids(os.getpid()) if not procutil.pid_alive(p)]
+    assert zombies == [], f"unreaped children: {zombies}"
+
+
 # --- Dying with the trainer ----------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM], ids=["SIGKILL", "SIGTERM"])
-def test_fork_sandboxes_die_with_the_trainer(sig):
-    returncode = trainer_death_scenario("fork", sig, str(REPO))
+@pytest.mark.parametrize("kill_zygote", [False, True], ids=["", "zygote-killed-first"])
+def test_fork_sandboxes_die_with_the_trainer(sig, kill_zygote):
+    returncode = trainer_death_scenario("fork", sig, str(REPO), kill_zygote=kill_zygote)
     assert returncode == -sig  # SIGTERM: the pool cleans up, then dies of the signal.

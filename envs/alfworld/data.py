@@ -132,7 +132,8 @@ def load_tasks(
         The tasks, sorted by `task_id` unless `seed` is given.
 
     Raises:
-        FileNotFoundError: If the data root or the split's folder is missing.
+        FileNotFoundError: If the data root or the split's folder is missing, or the folder
+            holds no game.
         ValueError: If `split`, a task type, or `limit` is invalid.
     """
     if split not in SPLITS:
@@ -161,7 +162,9 @@ def load_tasks(
     wanted = set(TASK_TYPES if task_types is None else task_types)
 
     tasks = []
+    games_seen = 0  # Game files in the split, whatever their type: none means no data.
     for task_dir in sorted(p for p in split_dir.iterdir() if p.is_dir()):
+        games_seen += sum(1 for t in task_dir.iterdir() if (t / _GAME_FILE).is_file())
         task_type = task_type_of(task_dir.name)
         # Sliced-object games are skipped by alfworld's loader too: the text engine cannot play
         # them.
@@ -184,6 +187,11 @@ def load_tasks(
                     walkthrough=tuple(game.get("walkthrough", ())),
                 )
             )
+    if not games_seen:
+        raise FileNotFoundError(
+            f"no games found under {str(split_dir)!r}: it holds no <task>/<trial>/{_GAME_FILE}. "
+            f"{_GET_DATA_HINT}"
+        )
 
     tasks.sort(key=lambda t: t.task_id)
     if seed is not None:

@@ -3,7 +3,10 @@
 Costs: a snapshot or a restore is one fork of a process whose memory is shared copy-on-write
 (milliseconds, flat in the episode's length); a held snapshot costs the pages the live workers
 have since written (reported from /proc/<pid>/smaps_rollup). See `forkserver_proc` for the
-process side and the process tree.
+process side and the process tree: trainer -> keeper -> zygote -> workers -> frozen copies ->
+workers. The keeper (a child subreaper) keeps every process of the backend below it, so that a
+SIGKILLed zygote's workers are still the backend's (counted, driven, reaped); the next new
+sandbox then starts a new keeper and zygote.
 
 Limits: only the worker process is copied. An env that keeps state in child processes refuses
 to snapshot (use `criu`); one that keeps state in open files shares their offsets between copies.
@@ -11,15 +14,18 @@ to snapshot (use `criu`); one that keeps state in open files shares their offset
 
 from __future__ import annotations
 
+import os
+import select
 import signal
 import socket
 import subprocess
 import sys
+import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 from envs.registry import preload_for
-from envs.sandbox import procutil
+from envs.sandbox import procutil, wire
 from envs.sandbox.backend import SandboxBackend, register_backend
 from envs.sandbox.base import (
     BackendUnavailableError,
@@ -36,6 +42,34 @@ __all__ = ["ForkBackend", "ForkSandbox"]
 
 # Control requests (spawn, snapshot) are quick forks; past this the process is hung.
 _CONTROL_TIMEOUT_S = 30.0
+
+
+def _receive_hello(fd: int, timeout_s: float) -> int:
+    """The zygote's pid, the first frame on its channel (read before the channel's `Remote`).
+
+    Raises:
+        SandboxFault: If it does not come within `timeout_s`, the channel closes, or it is not
+            a frame.
+    """
+    reader = wire.FrameReader(fd)
+    deadline = time.monotonic() + timeout_s
+    try:
+        while True:
+            done, message = reader.pop()
+            if done:
+                break
+            remaining = deadline - time.monotonic()
+            if remaining <= 0 or not select.select([fd], [], [], remaining)[0]:
+                raise SandboxFault("timeout", f"no word from the zygote in {timeout_s:g} s")
+            if not reader.fill():
+                raise SandboxFault("crash", "the keeper exited before the zygote started")
+    except wire.ProtocolError as e:
+        raise SandboxFault("garbage", f"the zygote sent garbage: {e}") from e
+    finally:
+        reader.close()
+    if not (isinstance(message, tuple) and len(message) == 2 and message[0] == "ok"):
+        raise SandboxFault("garbage", f"the zygote's first word is {message!r}, not its pid")
+    return int(message[1])
 
 
 class _Frozen:
@@ -71,11 +105,23 @@ class ForkBackend(SandboxBackend):
         **options: Any,
     ):
         super().__init__(env_name, env_kwargs, **options)
-        if preload is None:
-            preload = preload_for(env_name)
+        self._preload = tuple(preload_for(env_name) if preload is None else preload)
+        # Keepers of zygotes that died: each holds the dead zygote's workers until they are
+        # killed, then exits by itself; shutdown makes sure of it.
+        self._retired: list[subprocess.Popen] = []
+        self._start_zygote()
+
+    def _start_zygote(self) -> None:
+        """Starts a keeper and its zygote and sets the env up in it.
+
+        Raises:
+            BackendUnavailableError: If the zygote does not start or cannot create the env.
+        """
         ours, theirs = socket.socketpair()
         try:
-            self._zygote_proc = subprocess.Popen(
+            # The keeper: it forks the zygote and keeps every process below it (see
+            # forkserver_proc), so that none escapes this backend, not even a dead zygote's.
+            self._keeper = subprocess.Popen(
                 [sys.executable, "-m", "envs.sandbox.forkserver_proc", str(theirs.fileno())],
                 pass_fds=[theirs.fileno()],
                 stdin=subprocess.DEVNULL,
@@ -85,16 +131,32 @@ class ForkBackend(SandboxBackend):
         finally:
             theirs.close()
         fd = ours.detach()
-        self._zygote = Remote(self._zygote_proc.pid, fd, fd, pgid=None, label="fork-server zygote")
+        try:
+            pid = _receive_hello(fd, _CONTROL_TIMEOUT_S)
+        except SandboxFault as e:
+            os.close(fd)
+            _stop_keeper(self._keeper, sigterm_first=True)
+            raise BackendUnavailableError(f"The fork server did not start: {e.reason}") from e
+        self._zygote = Remote(pid, fd, fd, pgid=None, label="fork-server zygote")
         try:
             self._zygote.call(
-                "init", env_name, self.env_kwargs, tuple(preload), timeout_s=self.reset_timeout_s
-            )
+                "init", self.env_name, self.env_kwargs, self._preload,
+                timeout_s=self.reset_timeout_s,
+            )  # fmt: skip
         except (SandboxError, SandboxFault) as e:
             self._stop_zygote()
             raise BackendUnavailableError(
-                f"The fork server could not set up env {env_name!r} with {self.env_kwargs}: {e}"
+                f"The fork server could not set up env {self.env_name!r} with "
+                f"{self.env_kwargs}: {e}"
             ) from e
+
+    def _live_zygote(self) -> Remote:
+        """The zygote; a new one (keeper and all) if it died, so that resets go on working."""
+        if self._zygote.dead or not self._zygote.alive():
+            self._zygote.let_go()
+            self._retired.append(self._keeper)
+            self._start_zygote()
+        return self._zygote
 
     # Process plumbing ---------------------------------------------------------------------------
 
@@ -150,12 +212,20 @@ class ForkBackend(SandboxBackend):
         return remotes
 
     def _new_sandbox(self) -> Sandbox:
-        (remote,) = self._spawn_from(self._zygote, 1, "fork worker")
+        (remote,) = self._spawn_workers(1)
         return ForkSandbox(self, remote)
 
     def _new_sandboxes(self, n: int) -> list[Sandbox]:
-        remotes = self._spawn_from(self._zygote, n, "fork worker") if n else []
+        remotes = self._spawn_workers(n) if n else []
         return [ForkSandbox(self, remote) for remote in remotes]
+
+    def _spawn_workers(self, n: int) -> list[Remote]:
+        """`n` fresh workers from the zygote; if it dies under the request, from a new one."""
+        try:
+            return self._spawn_from(self._live_zygote(), n, "fork worker")
+        except SandboxFault:
+            # `_spawn_from` killed the zygote that failed: the next one is started afresh.
+            return self._spawn_from(self._live_zygote(), n, "fork worker")
 
     def _snapshot_state(self, sandbox: Sandbox) -> _Frozen:
         assert isinstance(sandbox, ForkSandbox)
@@ -216,15 +286,44 @@ class ForkBackend(SandboxBackend):
         self._stop_zygote()
 
     def _stop_zygote(self) -> None:
-        # End of file on its channel makes the zygote kill whatever is left below it and exit.
-        self._zygote.close_channel()
-        self._zygote.dead = True
-        try:
-            self._zygote_proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            self._zygote_proc.send_signal(signal.SIGKILL)
-            self._zygote_proc.wait()
+        # End of file on its channel makes the zygote kill whatever is left below it and exit;
+        # then the keeper, with nothing left below it, exits too. If the zygote is dead, its
+        # keeper holds the orphans: SIGTERM makes it kill them.
+        alive = self._zygote.alive()
+        self._zygote.let_go()
+        _stop_keeper(self._keeper, sigterm_first=not alive)
+        for keeper in self._retired:
+            _stop_keeper(keeper, sigterm_first=True)
+        self._retired.clear()
+
+    def _keepers(self) -> list[subprocess.Popen]:
+        return [k for k in [self._keeper, *self._retired] if k.poll() is None]
 
     def process_count(self) -> int:
-        """Processes below the zygote (workers, frozen copies, their children)."""
-        return len(procutil.descendant_pids(self._zygote_proc.pid))
+        """Processes this backend started but its keepers and live zygote: workers, frozen
+        copies, their children, and the workers of zygotes that died."""
+        return len([p for p in self.owned_pids() if p not in self._control_pids()])
+
+    def _control_pids(self) -> set[int]:
+        return {k.pid for k in self._keepers()} | {self._zygote.pid}
+
+    def owned_pids(self) -> list[int]:
+        """Every live process this backend started, its keepers and zygote included."""
+        pids = []
+        for keeper in self._keepers():
+            pids += [keeper.pid, *procutil.descendant_pids(keeper.pid)]
+        return pids
+
+
+def _stop_keeper(keeper: subprocess.Popen, sigterm_first: bool) -> None:
+    """Waits for a keeper to exit: 10 s on its own (unless `sigterm_first`), then 10 s after
+    SIGTERM (it kills everything below it), then SIGKILL as the last resort."""
+    steps = [(None, 10.0), (signal.SIGTERM, 10.0), (signal.SIGKILL, None)]
+    for sig, timeout_s in steps[1 if sigterm_first else 0 :]:
+        if sig is not None and keeper.poll() is None:
+            keeper.send_signal(sig)
+        try:
+            keeper.wait(timeout=timeout_s)
+            return
+        except subprocess.TimeoutExpired:
+            continue

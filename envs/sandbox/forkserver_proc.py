@@ -1,10 +1,16 @@
 """Process side of the fork-server backend: `python -m envs.sandbox.forkserver_proc <fd>`.
 
-One process runs in one of three roles, switching roles only across `os.fork()`:
-- **zygote** (one per backend, started by the trainer): imports the environment's modules once,
-  then forks a fresh *worker* per new sandbox. It is the child subreaper of everything below it
-  and ignores SIGCHLD, so every descendant is reaped the moment it exits; when the trainer goes
-  away (end of file on its channel, or SIGTERM from PR_SET_PDEATHSIG) it kills them all.
+One process runs in one of four roles, switching roles only across `os.fork()`:
+- **keeper** (one per backend: the process the trainer starts): forks the zygote and does
+  nothing else. It is the child subreaper of everything below it and ignores SIGCHLD, so that
+  every process the backend ever starts stays below it, and is reaped the moment it exits, even
+  after the zygote died (a SIGKILLed zygote's workers re-parent to it, not to PID 1, and go on
+  serving their sandboxes). It exits once the zygote is gone and nothing is left below it; on
+  SIGTERM (the trainer's death signal, or the trainer's last word at shutdown) it kills them all.
+- **zygote**: imports the environment's modules once, then forks a fresh *worker* per new
+  sandbox. It is a child subreaper and ignores SIGCHLD too, so that orphans below it are reaped
+  at once; when the trainer goes away (end of file on its channel, or SIGTERM from
+  PR_SET_PDEATHSIG) it kills everything below it.
 - **worker**: owns one environment and serves reset/step (see `envs.sandbox.worker`). `snapshot`
   forks it: the child becomes a *frozen* copy of the env. `clone` forks it too, and the child is
   a new worker at the same state (a snapshot and a spawn in one fork).
@@ -30,6 +36,7 @@ from __future__ import annotations
 import gc
 import importlib
 import os
+import select
 import signal
 import sys
 import time
@@ -203,7 +210,40 @@ def _kill_descendants() -> None:
         time.sleep(0.01)
 
 
-def _run_zygote(channel: worker.Channel) -> None:
+class _Stop(Exception):
+    """SIGTERM in the keeper: kill everything below and exit."""
+
+
+def _run_keeper(zygote: int, trainer: int) -> None:
+    """The keeper's life (see the module docstring); returns when it should exit."""
+
+    def on_term(signum: int, frame: Any) -> None:
+        raise _Stop()
+
+    signal.signal(signal.SIGTERM, on_term)
+    try:
+        procutil.set_parent_death_signal(signal.SIGTERM)
+        if os.getppid() != trainer:  # The trainer died before the line above.
+            return
+        try:
+            pidfd: int | None = os.pidfd_open(zygote)
+        except ProcessLookupError:
+            pidfd = None  # Already gone (and reaped: SIGCHLD is ignored).
+        if pidfd is not None:
+            # Blocks until the zygote exits; a SIGTERM interrupts it through `on_term`.
+            select.select([pidfd], [], [])
+        # The zygote is gone. Its orphans (if it died before killing them) are ours now: the
+        # trainer still drives them; wait until it has killed them all.
+        while procutil.descendant_pids(os.getpid()):
+            time.sleep(0.25)  # A walk of /proc each time: keep it rare.
+    except _Stop:
+        pass
+    finally:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        _kill_descendants()
+
+
+def _run_zygote(channel: worker.Channel, keeper: int) -> None:
     procutil.set_child_subreaper()
     signal.signal(signal.SIGCHLD, signal.SIG_IGN)
 
@@ -212,7 +252,7 @@ def _run_zygote(channel: worker.Channel) -> None:
 
     signal.signal(signal.SIGTERM, on_term)
     procutil.set_parent_death_signal(signal.SIGTERM)
-    if os.getppid() == 1:  # The trainer died before the line above.
+    if os.getppid() != keeper:  # The keeper died before the line above.
         raise SystemExit(0)
 
     env_name: str | None = None
@@ -264,16 +304,28 @@ _zygote_pid = -1
 
 
 def main(argv: list[str]) -> None:
-    """Entry point: `argv[1]` is the fd of the zygote's end of its socketpair."""
+    """Entry point (the keeper, which forks the zygote): `argv[1]` is the fd of the zygote's
+    end of its socketpair."""
     global _zygote_pid
     fd = int(argv[1])
     worker.detach_stdio()
+    # Before the fork: a zygote that dies at once must already have a subreaper parent.
+    procutil.set_child_subreaper()
+    signal.signal(signal.SIGCHLD, signal.SIG_IGN)
+    keeper, trainer = os.getpid(), os.getppid()
+    pid = os.fork()
+    if pid > 0:
+        os.close(fd)  # The channel is the zygote's alone.
+        _run_keeper(pid, trainer)
+        os._exit(0)
     _zygote_pid = os.getpid()
     role, channel, env = "zygote", _socket_channel(fd), None
+    # The trainer learns the zygote's pid before anything else (it started the keeper).
+    channel.send(("ok", _zygote_pid))
     while True:
         try:
             if role == "zygote":
-                _run_zygote(channel)
+                _run_zygote(channel, keeper)
             elif role == "worker":
                 if isinstance(env, tuple) and env and env[0] == "new":
                     env = _make_env_or_report(channel, env[1], env[2])

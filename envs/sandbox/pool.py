@@ -11,7 +11,9 @@ result is `StepResult("", 0.0, True, {"truncated": True, "won": False, "invalid_
 "error": reason, "fault": kind})`, and the rest of the batch is unaffected. Resets are retried
 once on a fresh sandbox after a crash, hang or garbage; if that fails too, `reset_many` closes
 the sandboxes it made and raises `SandboxFault`. `stats()` counts faults by kind and `faults()`
-lists the recent ones.
+lists the recent ones. On the fork backend a zygote that dies is replaced at the next reset; its
+workers go on serving their sandboxes (they stay below the backend's keeper process, which reaps
+them). `envs.sandbox.soak` runs episodes through a pool while all of this happens at set rates.
 
 Bounded memory: `max_snapshots` caps the snapshots held at once; `snapshot_policy="error"`
 raises `SnapshotLimitError` when a new one would exceed it, `"evict_oldest"` releases the oldest

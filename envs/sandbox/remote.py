@@ -172,6 +172,18 @@ class Remote:
         poller.register(self._pidfd, select.POLLIN)
         return not poller.poll(0)
 
+    def let_go(self) -> None:
+        """Closes the channel and the pidfd without a signal: the process exits at end of file
+        (the zygote, after killing what is below it). Its in-flight calls fault."""
+        if self.dead:
+            return
+        self.dead = True
+        if self._pidfd is not None:
+            os.close(self._pidfd)
+            self._pidfd = None
+        self.close_channel()
+        self._fail_inflight("crash", lambda call: f"{self} was let go during {call.op!r}")
+
     def close_channel(self) -> None:
         self.reader.close()
         for fd in {self.rfd, self.wfd}:

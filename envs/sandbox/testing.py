@@ -439,6 +439,10 @@ from envs.sandbox.testing import CounterTask
 pool = SandboxPool("sandbox_counter", {}, backend=sys.argv[1], step_timeout_s=600)
 sids = [s for s, _, _ in pool.reset_many([CounterTask("a"), CounterTask("b")])]
 pool.fork(pool.snapshot(sids[0]), 2)
+if sys.argv[2] == "kill-zygote":  # Its workers are orphans of the backend's keeper now.
+    zygote = pool.backend._zygote.pid
+    os.kill(zygote, 9)
+    assert procutil.wait_gone([zygote], timeout_s=5) == []
 pool._sandboxes[sids[1]].start_step("hang")  # Busy when the trainer dies.
 time.sleep(0.3)
 print(" ".join(map(str, procutil.descendant_pids(os.getpid()))), flush=True)
@@ -446,13 +450,18 @@ time.sleep(120)
 """
 
 
-def trainer_death_scenario(backend_name: str, sig: int, repo: str) -> int:
+def trainer_death_scenario(
+    backend_name: str, sig: int, repo: str, kill_zygote: bool = False
+) -> int:
     """Starts a trainer process with sandboxes (one of them busy), sends it `sig`, and checks
-    that every process it started goes away. Returns the trainer's exit code."""
+    that every process it started goes away. Returns the trainer's exit code.
+
+    `kill_zygote` (fork backend): the trainer SIGKILLs its zygote first, so that the workers
+    are orphans when it dies."""
     from envs.sandbox import procutil
 
     proc = subprocess.Popen(
-        [sys.executable, "-c", _TRAINER_SCRIPT, backend_name],
+        [sys.executable, "-c", _TRAINER_SCRIPT, backend_name, "kill-zygote" if kill_zygote else ""],
         cwd=repo,
         stdout=subprocess.PIPE,
         text=True,

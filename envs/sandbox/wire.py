@@ -2,7 +2,9 @@
 
 A frame is `MAGIC (4 bytes) | payload length (8 bytes, big-endian) | pickle`. The magic and a
 length cap let the reader tell a worker that writes garbage from one that is slow: anything that
-does not parse is a `ProtocolError`, never a hang or a giant allocation.
+does not parse is a `ProtocolError`, never a hang or a giant allocation. Any `str` crosses as it
+is, lone surrogates and NUL included (pickle writes str with 'surrogatepass'), so that text an
+env cannot take is refused by the env (`envs.base.action_refusal`), not by the pipe.
 
 The trainer side reads incrementally (`FrameReader`, non-blocking fds, many workers polled at
 once). The worker side is single-threaded and simply blocks (`recv`, `send`). On a socket, a

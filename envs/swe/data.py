@@ -309,6 +309,11 @@ def load_tasks(
     if source == "synthetic":
         data_root = resolve_data_root(root)
         instances = _read_instances(data_root / INSTANCES_FILE)
+        if not instances:
+            raise FileNotFoundError(
+                f"no tasks found under {str(data_root)!r}: its {INSTANCES_FILE} lists no "
+                f"instance. {_BUILD_HINT}"
+            )
         tasks = [instance_to_task(i, data_root) for i in instances]
         missing = sorted({t.tree for t in tasks if not os.path.isdir(t.tree)})
         if missing:
@@ -345,4 +350,7 @@ def load_swebench(path: str | os.PathLike[str] | None) -> list[SweTask]:
         p = found[0]
     if not p.is_file():
         raise FileNotFoundError(f"SWE-bench instances file {str(p)!r} does not exist.")
-    return [instance_to_task(i) for i in _read_instances(p)]
+    instances = _read_instances(p)
+    if not instances:
+        raise FileNotFoundError(f"no SWE-bench instances found in {str(p)!r}: the file is empty.")
+    return [instance_to_task(i) for i in instances]

@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import dataclasses
 import re
-import shlex
 import textwrap
 
 __all__ = [
@@ -41,6 +40,7 @@ __all__ = [
     "ToolSyntaxError",
     "parse_action",
     "replace_in_line",
+    "shell_words",
     "unescape",
 ]
 
@@ -93,6 +93,47 @@ def unescape(text: str) -> str:
             out.append(text[i])
             i += 1
     return "".join(out)
+
+
+# One piece of a shell word per match: whitespace, '...', "..." (backslash escapes inside), a
+# backslash-escaped character, or a run of plain characters. Each pattern is linear in its
+# match, so splitting is linear in the text (shlex.split, char by char, took 26 s on 1 MB).
+_SHELL_PIECE = re.compile(
+    r"""(?P<space>\s+)|'(?P<single>[^']*)'|"(?P<double>[^"\\]*(?:\\.[^"\\]*)*)"|\\(?P<escaped>.)"""
+    r"""|(?P<plain>[^\s'"\\]+)""",
+    re.DOTALL,
+)
+_DOUBLE_QUOTE_ESCAPE = re.compile(r"""\\([\\"])""")
+
+
+def shell_words(text: str) -> list[str]:
+    """`shlex.split(text)` (POSIX rules, no comments) in time linear in `len(text)`.
+
+    Raises:
+        ValueError: For an unclosed quote or a trailing backslash, as `shlex.split` does.
+    """
+    words: list[str] = []
+    word: list[str] | None = None  # The word being read; None between words.
+    pos = 0
+    while pos < len(text):
+        m = _SHELL_PIECE.match(text, pos)
+        if m is None:
+            raise ValueError(f"unclosed quote or trailing backslash at {pos} of the arguments")
+        pos = m.end()
+        if m.lastgroup == "space":
+            if word is not None:
+                words.append("".join(word))
+                word = None
+            continue
+        piece = m.group(m.lastgroup)
+        if m.lastgroup == "double":
+            # Inside double quotes a backslash escapes only a double quote or a backslash.
+            piece = _DOUBLE_QUOTE_ESCAPE.sub(r"\1", piece)
+        word = [] if word is None else word
+        word.append(piece)
+    if word is not None:
+        words.append("".join(word))
+    return words
 
 
 def replace_in_line(line: str, old: str, new: str) -> str | None:
@@ -165,7 +206,7 @@ def parse_action(action: str | None) -> ToolCall:
         return ToolCall(tool, text=rest)
     if tool == "test":
         try:
-            args = tuple(shlex.split(rest))
+            args = tuple(shell_words(rest))
         except ValueError:
             args = tuple(rest.split())
         return ToolCall(tool, args=args)

@@ -16,6 +16,7 @@ import pytest
 from swe_fixtures import FILE_HACKS, GOLD_ACTION, LEAP_LINE, hacks, leap_task, put, write_minicalc
 
 from envs.base import make_env
+from envs.base import step_result as step  # (observation, reward, done, info)
 from envs.swe.grading import graded_files, graded_outcomes, library_source
 from envs.swe.jail import Limits, run_harness, verify_harness_report
 from envs.swe.workspace import Workspace
@@ -48,11 +49,11 @@ def env():
 
 
 def _play(env, task, actions):
-    env.reset(task)
+    env.reset(options={"task": task})
     for action in actions:
-        result = env.step(action)
-        assert not result.info["invalid"], (action[:80], result.observation)
-    return env.step("submit")
+        result = step(env, action)
+        assert not result.info["invalid_action"], (action[:80], result.observation)
+    return step(env, "submit")
 
 
 def test_gold_fix_is_graded_one_and_doing_nothing_zero(env, task):

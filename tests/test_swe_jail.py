@@ -16,6 +16,7 @@ import pytest
 from swe_fixtures import leap_task, write_minicalc
 
 from envs.base import make_env
+from envs.base import step_result as step  # (observation, reward, done, info)
 from envs.swe.jail import Limits, run_in_jail
 
 _LIMITS = Limits(timeout_s=10)
@@ -50,22 +51,22 @@ def test_a_swapped_or_linked_path_shows_no_host_file(env, task, case):
     command, view = _LINKS[case]
     command = command.format(pid=os.getpid())
     host_passwd = Path("/etc/passwd").read_text()
-    env.reset(task)
-    ran = env.step(f"run {command}")
+    env.reset(options={"task": task})
+    ran = step(env, f"run {command}")
     assert "[exit status 0]" in ran.observation, ran.observation
     assert "passwd" not in ran.observation and "shadow" not in ran.observation, ran.observation
     files = env.workspace.files
     assert not [p for p in files if p.rsplit("/", 1)[-1] in ("passwd", "shadow", "hostname")]
     assert all(content is None or content != host_passwd.encode() for content in files.values())
-    shown = env.step(f"view {view} 1-3")
-    assert shown.info["invalid"] and "does not exist" in shown.observation, shown.observation
+    shown = step(env, f"view {view} 1-3")
+    assert shown.info["invalid_action"] and "does not exist" in shown.observation, shown.observation
     assert host_passwd.splitlines()[0] not in shown.observation
     if case.startswith("package"):
         # The folder's files are gone (deleted), the link itself is not kept.
         assert files["minicalc/calc.py"] is None
         assert "Not kept (too large or not regular files): minicalc" in ran.observation
     # The episode goes on normally on its own working copy.
-    assert "is_leap" in env.step("search def is_leap").observation or case.startswith("package")
+    assert "is_leap" in step(env, "search def is_leap").observation or case.startswith("package")
 
 
 def test_a_renamed_tree_is_still_read_where_it_went(tmp_path):

@@ -25,6 +25,7 @@ from swebench_fixtures import (
 )
 
 from envs.base import make_env
+from envs.base import step_result as step  # (observation, reward, done, info)
 from envs.swe import swebench
 from envs.swe.data import instance_to_task, load_swebench, task_to_instance
 from envs.swe.env import jail_pythonpath, pytest_options
@@ -67,11 +68,11 @@ def _patched(task, patch):
 
 def _play_patch(env, task, patch):
     """Plays `patch` with the env's tools (each changed file written whole), then submits."""
-    env.reset(task)
+    env.reset(options={"task": task})
     for rel, text in sorted(_patched(task, patch).items()):
-        result = env.step(put(rel, text))
-        assert not result.info["invalid"], result.observation
-    return env.step("submit")
+        result = step(env, put(rel, text))
+        assert not result.info["invalid_action"], result.observation
+    return step(env, "submit")
 
 
 def _overlay(task, patch):
@@ -168,10 +169,10 @@ def test_truncated_parametrised_ids_match_as_upstream(env, tmp_path):
     assert problem is None and len(run.report) >= 5, run.output[-2000:]
     assert swebench.report(outcomes.passed, task.fail_to_pass, task.pass_to_pass)["resolved"]
     # A fix that breaks one of the cut-id tests: upstream's FAILED line for it: not resolved.
-    env.reset(task)
+    env.reset(options={"task": task})
     broken = TEXTVEC_FIXED.replace("return doc.read().split()", 'raise TypeError("no file")')
-    env.step(put("textvec/text.py", broken))
-    result = env.step("submit")
+    step(env, put("textvec/text.py", broken))
+    result = step(env, "submit")
     assert result.reward == 0.0 and result.info["tests"]["pass_to_pass_passed"] == 2
     assert f"FAILED {TEXTVEC_TRUNCATED[0]}" in result.observation, result.observation
     # Doing nothing: test_strip_accents still fails (upstream: FAILED, not resolved).
@@ -204,9 +205,9 @@ def test_a_config_plugin_the_agent_changed_is_refused(env, tmp_path):
     (tmp_path / "miniwrap/pyproject.toml").write_text(
         MINIWRAP_FILES["pyproject.toml"].replace("-p pytester", "-p pytester -p miniwrap.plugin")
     )
-    env.reset(task)
-    env.step(put("miniwrap/plugin.py", _FORCE_PASS_PLUGIN))
-    result = env.step("submit")
+    env.reset(options={"task": task})
+    step(env, put("miniwrap/plugin.py", _FORCE_PASS_PLUGIN))
+    result = step(env, "submit")
     assert result.reward == 0.0, result.observation
     assert "is a module the agent changed (/tmp/testbed/miniwrap/plugin.py)" in result.observation
     assert _play_patch(env, task, task.patch).reward == 1.0  # The plugin left as it was.

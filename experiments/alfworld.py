@@ -46,7 +46,11 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.env.task_types = ("look_at_obj_in_light", "pick_and_place_simple") if cpu else TASK_TYPES
     c.env.num_train_tasks = 24 if cpu else 0  # 0 = every game of the split.
     c.env.max_steps = 12 if cpu else 50  # Episode step limit.
-    c.env.invalid_action_penalty = 0.0 if cpu else 0.1  # Reward for an invalid/unparseable action.
+    # Subtracted for an unparseable action (the env's invalid_format_penalty, as verl-agent's 0.1
+    # for badly formatted output). A command the game does not execute costs
+    # env_options.inadmissible_action_penalty, 0 by default as the game scores it; the env's
+    # other upstream-vs-project switches (normalize_actions, strip_welcome) are off by default.
+    c.env.invalid_action_penalty = 0.0 if cpu else 0.1
     c.env.num_workers = 2 if cpu else 32  # Host-side sandbox worker processes.
     c.env.sandbox_backend = "fork"  # fork | replay (| criu | inprocess where the env allows).
     c.env.task_options = ml_collections.ConfigDict()  # Extra task-loader arguments.

@@ -61,7 +61,11 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.env.task_types = TASK_TYPES  # Product categories to draw goals from (all five).
     c.env.num_train_tasks = 24 if cpu else 0  # 0 = every goal of the split.
     c.env.max_steps = 8 if cpu else 15  # Episode step limit (15 in verl-agent's setting).
-    c.env.invalid_action_penalty = 0.0 if cpu else 0.1  # Reward for an invalid/unparseable action.
+    # Subtracted for an action that is not search[...]/click[...] (the env's invalid_format_penalty,
+    # as verl-agent's 0.1 for badly formatted output). One the page does not offer costs
+    # env_options.inadmissible_action_penalty, 0 by default as WebShop scores it; the reward is
+    # WebShop's own (env_options.scoring="upstream", see envs/webshop/scoring.py).
+    c.env.invalid_action_penalty = 0.0 if cpu else 0.1
     c.env.num_workers = 2 if cpu else 32  # Host-side sandbox worker processes.
     # fork | inprocess | replay (| criu). WebShop's state is plain Python, so `inprocess` (deep
     # copy) snapshots in ~0.3 ms against ~30 ms for a fork; `fork` runs the searches of many

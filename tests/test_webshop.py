@@ -1,7 +1,8 @@
 """Tests for the WebShop environment (envs/webshop): data checks, goals, search, scoring, pages,
 sandboxes, and the experiment config.
 
-Products come from the hand-written 40-product fixture (tests/fixtures/webshop/, labelled
+Scoring by hand is in test_webshop_scoring.py. Products come from the hand-written 40-product
+fixture (tests/fixtures/webshop/, labelled
 there); attributes and instructions from WebShop's real `items_ins_v2_1000.json` in
 `../shared/data/webshop`. Nothing here is a WebShop result.
 """
@@ -27,17 +28,14 @@ from envs.webshop import (
     TASK_TYPES,
     DataIntegrityError,
     Goal,
-    Product,
     WebShopEnv,
     WebShopTask,
     get_catalog,
     load_tasks,
     parse_action,
     resolve_catalog,
-    score,
     walkthrough,
 )
-from envs.webshop.scoring import normalize_color, option_matches, title_words
 from envs.webshop.search import SearchIndex
 from envs.webshop.tasks import human_goals, split_goals, synthetic_goals
 
@@ -45,7 +43,8 @@ REPO = Path(__file__).resolve().parents[1]
 DATA = REPO.parent / "shared" / "data" / "webshop"
 FIXTURE = REPO / "tests" / "fixtures" / "webshop" / "items_shuffle_fixture.json"
 SPLIT_SIZES = (20, 20)
-PENALTY = 0.1
+PENALTY = 0.1  # invalid_action_penalty, the trainer's name for the format penalty.
+INADMISSIBLE = 0.05  # For a well-formed action the page does not offer (0 by default).
 
 
 @pytest.fixture(scope="module")
@@ -73,7 +72,9 @@ def catalog(tasks):
 
 @pytest.fixture(scope="module")
 def env():
-    with WebShopEnv(max_steps=15, invalid_action_penalty=PENALTY) as env:
+    with WebShopEnv(
+        max_steps=15, invalid_action_penalty=PENALTY, inadmissible_action_penalty=INADMISSIBLE
+    ) as env:
         yield env
 
 
@@ -235,138 +236,6 @@ def test_search_ranks_and_is_cached(catalog, tmp_path):
     assert in_memory.search("size color", 50) == built.search("size color", 50)
 
 
-# --- Scoring (hand-checked) ----------------------------------------------------------------------
-
-GOAL = dict(
-    goal_attributes=["tempered glass", "glass screen"],
-    goal_option_values=["11 inch"],
-    price_upper=20.0,
-    goal_query="screen protectors",
-    goal_product_category="Electronics › Computers & Accessories › Tablet Accessories › Screen "
-    "Protectors",
-    goal_name="Tempered Glass Screen Protector for iPad Pro",
-)
-
-
-def product(**changes):
-    fields = dict(
-        asin="B000000001",
-        name="Tempered Glass Protector for iPad Pro, 2 Pack",
-        category="electronics",
-        query="screen protectors",
-        product_category=GOAL["goal_product_category"],
-        price=12.78,
-        price_tag="$12.78",
-        description="Keeps the glass screen clear.",
-        features=("9H hardness",),
-        options=(("size", ("11 inch", "12.9 inch")),),
-        rating="N.A.",
-        attributes=("tempered glass",),
-        instruction=None,
-        instruction_attributes=(),
-    )
-    fields.update(changes)
-    return Product(**fields)
-
-
-@pytest.mark.parametrize(
-    "changes, chosen, expected",
-    [
-        # 2 attributes ("glass screen" found in the description) + 1 option + price: 4/4.
-        ({}, {"size": "11 inch"}, 1.0),
-        # Wrong option: (2 + 0 + 1) / 4.
-        ({}, {"size": "12.9 inch"}, 0.75),
-        # No option chosen: (2 + 0 + 1) / 4.
-        ({}, {}, 0.75),
-        # Over the price limit: (2 + 1 + 0) / 4.
-        ({"price": 25.0}, {"size": "11 inch"}, 0.75),
-        # Neither attribute in the attributes or the text: (0 + 1 + 1) / 4.
-        (
-            {"attributes": (), "description": "", "name": "Screen Protector for iPad Pro"},
-            {"size": "11 inch"},
-            0.5,
-        ),
-        # A fuzzy attribute match ("glass screen" is a token subset) instead of the text.
-        (
-            {
-                "attributes": ("glass screen protector", "tempered glass"),
-                "description": "",
-                "name": "Screen Protector for iPad Pro",
-            },
-            {"size": "11 inch"},
-            1.0,
-        ),
-        # Another kind of product: no title word shared, so r_type = 0.
-        (
-            {
-                "name": "Torchiere Floor Lamp, Bronze Finish",
-                "query": "floor lamps",
-                "product_category": "Home & Kitchen › Lighting › Floor Lamps",
-            },
-            {"size": "11 inch"},
-            0.0,
-        ),
-        # 1 of 6 title words shared, other query, one breadcrumb level shared: r_type = 0.5.
-        (
-            {
-                "name": "Glass Camera Lens Cap",
-                "query": "lens caps",
-                "product_category": "Electronics › Camera & Photo › Lens Caps",
-            },
-            {"size": "11 inch"},
-            0.5,
-        ),
-        # Same, but two breadcrumb levels shared: r_type = 1.
-        (
-            {
-                "name": "Glass Camera Lens Cap",
-                "query": "lens caps",
-                "product_category": "Electronics › Computers & Accessories › Caps",
-            },
-            {"size": "11 inch"},
-            1.0,
-        ),
-        # Same, but the same search query: r_type = 1.
-        (
-            {"name": "Glass Camera Lens Cap", "product_category": "Electronics › Caps"},
-            {"size": "11 inch"},
-            1.0,
-        ),
-    ],
-)
-def test_score_hand_checked(changes, chosen, expected):
-    assert score(product(**changes), chosen, **GOAL).reward == pytest.approx(expected)
-
-
-def test_score_type_factor_floor_and_parts():
-    # 1 of 11 goal title words shared (< 0.1): r_type = 0.1 whatever else matches.
-    goal = dict(
-        GOAL, goal_name="alpha bravo charlie delta echo foxtrot golf hotel india juliet kilo"
-    )
-    result = score(product(name="Kilo Widget", query="widgets"), {"size": "11 inch"}, **goal)
-    assert result.title_score == pytest.approx(1 / 11) and result.r_type == 0.1
-    assert result.reward == pytest.approx(0.1)
-    parts = score(product(price=25.0), {"size": "12.9 inch"}, **GOAL)
-    assert (parts.r_att, parts.r_option, parts.r_price, parts.r_type) == (1.0, 0.0, False, 1.0)
-    assert parts.reward == pytest.approx((2 + 0 + 0) / 4)
-    # 5 of the goal title's 6 content words ("screen" is missing).
-    assert parts.query_match and parts.category_match and parts.title_score == pytest.approx(5 / 6)
-
-
-def test_colors_and_option_matching():
-    assert normalize_color("Navy Blue") == "navy"
-    assert normalize_color("heather gray") == normalize_color("Grey") == "gray"
-    assert normalize_color("light blue") == "blue"
-    assert normalize_color("32") == "32"
-    assert option_matches(["navy blue"], ["navy"]) == 1
-    assert option_matches(["black", "x-large"], ["large", "black"]) == 2  # fuzzywuzzy-style tokens.
-    assert option_matches(["medium"], ["large"]) == 0
-    assert option_matches(["18 inch"], ["22 inch"]) == 0  # token_set_ratio 72.7
-    # WebShop's fuzzy rule lets short values that differ in one number pass (87.5 > 85).
-    assert option_matches(["12 piece"], ["24 piece"]) == 1
-    assert title_words("The Men's 2 Pack T-Shirt, Size Large") == {"men's", "shirt", "large"}
-
-
 # --- Environment ---------------------------------------------------------------------------------
 
 
@@ -430,7 +299,7 @@ def test_pagination(env, tasks, catalog):
     assert "page 3 of 3" in obs and len(obs.splitlines()) == 2 + 3  # 3 products on the last page.
     assert "click[next >]" not in info["available_actions"]
     obs, reward, _, info = step(env, "click[next >]")  # No fourth page.
-    assert info["invalid_action"] and reward == -PENALTY and "page 3 of 3" in obs
+    assert info["invalid_action"] and reward == -INADMISSIBLE and "page 3 of 3" in obs
     step(env, f"click[{hits[21]}]")
     obs = step(env, "click[< prev]").observation  # Back to the page the item was on.
     assert "page 3 of 3" in obs
@@ -489,7 +358,11 @@ def test_malformed_and_unavailable_actions(env, tasks, action, page, reason):
     obs, reward, done, info = step(env, action)
     head = obs.splitlines()[0]
     assert head.startswith("Invalid action: ") and reason in head and "Valid here: " in head
-    assert reward == -PENALTY and not done and info["invalid_action"] and info["page"] == page
+    # Not search[...]/click[...] at all is a format error; anything else is inadmissible.
+    malformed = "no action was given" in reason or "is not search" in reason
+    assert info["invalid_format"] is malformed
+    assert reward == -(PENALTY if malformed else INADMISSIBLE)
+    assert not done and info["invalid_action"] and info["page"] == page
     if before is not None:  # The page is shown again, unchanged.
         assert obs.split("\n", 1)[1] == before.observation
         assert info["available_actions"] == before.info["available_actions"]
@@ -511,6 +384,29 @@ def test_malformed_and_unavailable_actions(env, tasks, action, page, reason):
 )
 def test_parse_action(raw, expected):
     assert parse_action(raw) == expected
+
+
+def test_env_scores_upstream_by_default_and_project_on_request(tasks):
+    """A near-miss size on a fixture goal: upstream requires the size as asked (not in the
+    product text either), the project's variant takes it as a fuzzy match."""
+    task = next(
+        t
+        for t in tasks["train"]
+        if t.goal.asin == "B08DZ2593Y" and t.goal.options == (("size", "4 ounce (pack of 1)"),)
+    )
+    wrong = [a.replace("(pack of 1)", "(pack of 3)") for a in task.walkthrough]
+    assert wrong != list(task.walkthrough)
+    n = len(task.goal.attributes)
+    for scoring, expected in [("upstream", (n + 0 + 1) / (n + 1 + 1)), ("project", 1.0)]:
+        kwargs = {} if scoring == "upstream" else {"scoring": scoring}
+        with WebShopEnv(**kwargs) as env:
+            env.reset(options={"task": task})
+            rewards = [step(env, a)[1] for a in task.walkthrough]
+            assert rewards[-1] == 1.0, scoring  # The goal's own options: all of it.
+            env.reset(options={"task": task})
+            *_, (obs, reward, done, info) = [step(env, a) for a in wrong]
+            assert done and reward == pytest.approx(expected), scoring
+            assert info["chosen_options"] == {"size": "4 ounce (pack of 3)"}
 
 
 def test_partial_purchase_and_step_limit(tasks):
@@ -549,7 +445,13 @@ def test_misuse_and_constructor_checks(tasks):
         ({"max_steps": 0}, "max_steps"),
         ({"max_steps": 2.5}, "max_steps"),
         ({"invalid_action_penalty": -1.0}, "invalid_action_penalty"),
+        ({"invalid_format_penalty": -1.0}, "invalid_action_penalty"),
+        ({"invalid_action_penalty": 0.1, "invalid_format_penalty": 0.2}, "name the same"),
+        ({"inadmissible_action_penalty": -0.1}, "inadmissible_action_penalty"),
+        ({"inadmissible_action_penalty": float("inf")}, "inadmissible_action_penalty"),
         ({"title_chars": 3}, "title_chars"),
+        ({"scoring": "webshop"}, "'webshop'.*'upstream', 'project'"),
+        ({"type_words": "nouns"}, "'nouns'.*'content_words', 'spacy'"),
     ]:
         with pytest.raises(ValueError, match=message):
             WebShopEnv(**kwargs)

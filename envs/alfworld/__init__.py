@@ -5,7 +5,7 @@ Example:
     from envs.alfworld import load_tasks
     from envs.base import make_env
 
-    tasks = load_tasks(None, "valid_unseen")  # data root from $ALFWORLD_DATA
+    tasks = load_tasks(None, "valid_seen")  # data root from $ALFWORLD_DATA
     env = make_env("alfworld", max_steps=50)
     observation, info = env.reset(options={"task": tasks[0]})
 """
@@ -20,7 +20,7 @@ from envs.alfworld.data import (
     resolve_data_root,
     task_type_of,
 )
-from envs.alfworld.env import NOTHING_HAPPENS, AlfworldEnv, normalize_action
+from envs.alfworld.env import NOTHING_HAPPENS, WELCOME_RE, AlfworldEnv, normalize_action
 
 __all__ = [
     "DATA_ENV_VAR",
@@ -28,6 +28,7 @@ __all__ = [
     "NOTHING_HAPPENS",
     "SPLITS",
     "TASK_TYPES",
+    "WELCOME_RE",
     "AlfworldEnv",
     "AlfworldTask",
     "load_tasks",

@@ -12,9 +12,12 @@ Pages and the actions they take (WebShop's text mode, Yao et al. 2022):
 - description / features / reviews: `click[< prev]` (back to the item), `click[back to search]`.
 
 Anything in [brackets] on a page is clickable. `click[buy now]` ends the episode with WebShop's
-reward (`envs.webshop.scoring`); reaching `max_steps` ends it with `truncated` and no reward.
-An action that is malformed or not available on the page changes nothing, costs
-`invalid_action_penalty`, and is answered with the reason, what is valid, and the page again.
+reward (`envs.webshop.scoring`, computed as WebShop's code does by default); reaching
+`max_steps` ends it with `truncated` and no reward. An action that is malformed or not
+available on the page changes nothing and is answered with the reason, what is valid, and the
+page again; it costs `invalid_format_penalty` if it is not `search[...]`/`click[...]` (or None),
+`inadmissible_action_penalty` if it is but the page does not offer it (both 0 by default: WebShop
+scores an invalid action 0).
 
 The first observation states the task as "Your task is to: <instruction>" (the line the agent's
 prompt builder takes the goal from); later pages repeat it only with `show_goal_every_page`.
@@ -27,7 +30,7 @@ from typing import Any
 
 from envs.base import TextEnv
 from envs.webshop.data import Catalog, Product, get_catalog, resolve_catalog
-from envs.webshop.scoring import score
+from envs.webshop.scoring import SCORINGS, TYPE_WORDS, score, spacy_nouns
 from envs.webshop.tasks import RESULTS_PER_PAGE, SEARCH_RESULTS, WebShopTask, load_tasks
 
 __all__ = ["WebShopEnv", "parse_action"]
@@ -65,11 +68,14 @@ def _clip(text: str, limit: int | None) -> str:
 class WebShopEnv(TextEnv):
     """One WebShop goal at a time.
 
-    Rewards: the purchase's score (in [0, 1]) on `click[buy now]`, `-invalid_action_penalty` for
-    an invalid action, else 0.
+    Rewards: the purchase's score (in [0, 1]) on `click[buy now]`, minus
+    `invalid_format_penalty` for an action that is not `search[...]`/`click[...]` (or None) and
+    `inadmissible_action_penalty` for one the page does not offer, else 0. The trainer's
+    `invalid_action_penalty` is the format penalty.
 
     Info keys besides the common ones (`envs.base`; `won` is bought with reward 1): `action`
-    (the normalised action, None at reset), `page`, and
+    (the normalised action, None at reset), `invalid_format` (the action was not
+    `search[...]`/`click[...]`), `page`, and
     `available_actions` (every valid action on the page; `search[<query>]` stands for any
     search). `reset` adds `goal` (the instruction), `task_id` and `task_type`; the buying step
     adds `purchased` (ASIN), `chosen_options` and `score` (the reward's parts).
@@ -94,8 +100,12 @@ class WebShopEnv(TextEnv):
     def __init__(
         self,
         max_steps: int = 15,
-        invalid_action_penalty: float = 0.0,
+        invalid_action_penalty: float | None = None,
         *,
+        invalid_format_penalty: float | None = None,
+        inadmissible_action_penalty: float = 0.0,
+        scoring: str = "upstream",
+        type_words: str = "content_words",
         title_chars: int | None = None,
         text_chars: int | None = None,
         show_goal_every_page: bool = False,
@@ -111,7 +121,16 @@ class WebShopEnv(TextEnv):
         Args:
             max_steps: Episode length limit (15 in verl-agent's WebShop setting); the step that
                 reaches it ends the episode with `info['truncated'] = True` unless it buys.
-            invalid_action_penalty: Non-negative amount subtracted for an invalid action.
+            invalid_action_penalty: The trainer's name for `invalid_format_penalty` (give one
+                of the two, or both equal).
+            invalid_format_penalty: Non-negative amount subtracted for an action that is not
+                `search[...]` or `click[...]`, or None (default 0).
+            inadmissible_action_penalty: Non-negative amount subtracted for a well-formed
+                action the page does not offer (default 0, as WebShop scores it).
+            scoring: "upstream" (WebShop's `get_reward`) or "project" (this project's first
+                variant); see `envs.webshop.scoring`.
+            type_words: Title words of the product-type check: "content_words" (default) or
+                "spacy" (WebShop's nouns; needs spaCy and en_core_web_lg).
             title_chars: Cut product titles on results pages to this many characters (None or
                 0: whole titles). Item pages always show the whole title.
             text_chars: Cut description and feature pages to this many characters (None or 0:
@@ -127,7 +146,34 @@ class WebShopEnv(TextEnv):
         Raises:
             ValueError: If an argument is out of range.
         """
-        super().__init__(max_steps, invalid_action_penalty, tasks)
+        if invalid_format_penalty is None:
+            invalid_format_penalty = invalid_action_penalty or 0.0
+        elif (
+            invalid_action_penalty is not None and invalid_action_penalty != invalid_format_penalty
+        ):
+            raise ValueError(
+                f"invalid_action_penalty={invalid_action_penalty!r} and invalid_format_penalty="
+                f"{invalid_format_penalty!r} name the same penalty (for a malformed action); "
+                "give one of them."
+            )
+        if not 0 <= inadmissible_action_penalty < float("inf"):
+            raise ValueError(
+                "inadmissible_action_penalty must be finite and >= 0 (it is subtracted), got "
+                f"{inadmissible_action_penalty!r}."
+            )
+        if scoring not in SCORINGS:
+            raise ValueError(f"Unknown scoring {scoring!r}; expected one of {list(SCORINGS)}.")
+        if type_words not in TYPE_WORDS:
+            raise ValueError(
+                f"Unknown type_words {type_words!r}; expected one of {list(TYPE_WORDS)}."
+            )
+        # The base class checks and keeps the format penalty as `invalid_action_penalty`.
+        super().__init__(max_steps, invalid_format_penalty, tasks)
+        self.inadmissible_action_penalty = float(inadmissible_action_penalty)
+        self.scoring = scoring
+        self.type_words = type_words
+        if type_words == "spacy":
+            spacy_nouns()  # Fails here, not at the first purchase, without spaCy's model.
         for name, value in (("title_chars", title_chars), ("text_chars", text_chars)):
             if value and (not isinstance(value, int) or value < 8):
                 raise ValueError(f"{name} must be None, 0 or an int >= 8, got {value!r}.")
@@ -144,6 +190,11 @@ class WebShopEnv(TextEnv):
         self._page_no = 1
         self._asin: str | None = None  # The item being looked at.
         self._chosen: dict[str, str] = {}  # Option group -> chosen value on the item page.
+
+    @property
+    def invalid_format_penalty(self) -> float:
+        """What a malformed action costs (the base class's `invalid_action_penalty`)."""
+        return self.invalid_action_penalty
 
     # Episode ------------------------------------------------------------------------------------
 
@@ -163,6 +214,7 @@ class WebShopEnv(TextEnv):
         self._go_search()
         observation = f"Your task is to: {task.goal.instruction}\n{self._render()}"
         info = self._info(won=False, invalid=False, action=None)
+        info["invalid_format"] = False
         info.update(goal=task.goal.instruction, task_id=task.task_id, task_type=task.task_type)
         return observation, info
 
@@ -174,7 +226,9 @@ class WebShopEnv(TextEnv):
         extra: dict[str, Any] = {}
         reward, won, bought = 0.0, False, False
         if error is not None:
-            reward = -self.invalid_action_penalty
+            reward = -(
+                self.invalid_action_penalty if parsed is None else self.inadmissible_action_penalty
+            )
             observation = f"Invalid action: {error}. {self._valid_hint()}\n{self._render()}"
         elif parsed[0] == "search":
             self._search(parsed[1])
@@ -195,6 +249,7 @@ class WebShopEnv(TextEnv):
         if self.show_goal_every_page and not bought:
             observation = f"Your task is to: {self._task.goal.instruction}\n{observation}"
         info = self._info(won=won, invalid=error is not None, action=normalized)
+        info["invalid_format"] = error is not None and parsed is None
         info.update(extra)
         return observation, float(reward), bought, info
 
@@ -251,11 +306,13 @@ class WebShopEnv(TextEnv):
             self._product(),
             self._chosen,
             goal_attributes=goal.attributes,
-            goal_option_values=[v for _, v in goal.options],
+            goal_options=goal.options,
             price_upper=goal.price_upper,
             goal_query=goal.query,
             goal_product_category=goal.product_category,
             goal_name=goal.name,
+            scoring=self.scoring,
+            type_words=self.type_words,
         )
 
     # Validity -----------------------------------------------------------------------------------

@@ -163,10 +163,12 @@ def human_goals(catalog: Catalog, human: dict) -> list[Goal]:
             if not attributes:  # WebShop skips these too.
                 continue
             options = entry.get("instruction_options") or ()
+            # Values as written: WebShop scores them so (its exact "size" match and colour
+            # reduction are case-sensitive; the chosen values are lower case).
             if isinstance(options, dict):
-                options = tuple((str(g).lower(), str(v).lower()) for g, v in options.items())
+                options = tuple((str(g).lower(), str(v)) for g, v in options.items())
             else:
-                options = tuple(("", str(v).lower()) for v in options)
+                options = tuple(("", str(v)) for v in options)
             text = str(entry.get("instruction") or "").strip().strip(".")
             rng = random.Random(f"webshop-human-goal:{p.asin}:{i}:{text}")
             upper, price_text = _price_limit(rng, p.price)
@@ -213,8 +215,8 @@ def _option_clicks(catalog: Catalog, goal: Goal) -> list[str]:
     clicks = []
     for group, value in goal.options:
         candidates = product.option_values(group) if group else ()
-        if value in candidates:
-            clicks.append(value)
+        if value.lower() in candidates:
+            clicks.append(value.lower())
             continue
         # Human goals name values only, in their own words: take the first value that matches.
         for _, values in product.options:

@@ -55,4 +55,9 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.env.sandbox_backend = "fork"  # fork | replay (| criu | inprocess where the env allows).
     c.env.task_options = ml_collections.ConfigDict()  # Extra task-loader arguments.
     c.env.env_options = ml_collections.ConfigDict()  # Extra environment-constructor arguments.
+    if cpu:
+        # The tiny policy's 320-token prompts keep the first observation without TextWorld's
+        # welcome banner (about 15 tokens of it), as in earlier rounds' CPU figures; the full
+        # setting sees the first observation exactly as the official game gives it.
+        c.env.env_options.strip_welcome = True
     return c

@@ -29,6 +29,7 @@ import numpy as np
 from flax import nnx
 
 from bpo_jax import learner
+from bpo_jax.algorithms import get_algorithm
 from bpo_jax.builders import (
     build_model,
     build_tokenizer,
@@ -163,16 +164,31 @@ def _adopt_tokenizer(source: Path, workdir: Path) -> None:
 def _init_from(run: Run, state: RunState, mcfg) -> RunState:
     """The state RL starts from when `init_from` names another run: that run's policy.
 
-    The source's own config says what its checkpoint holds (a critic, a KL reference), so its
-    whole state is restored into a template of its layout, and only the policy is kept: the
-    optimizer, the critic, the reference and the PRNG key are this run's, fresh.
+    The source's own config says what its checkpoint holds besides the policy (a KL reference,
+    a critic), so its whole state is restored into a template of that layout, and only the
+    policy is kept: the optimizer, the critic, the reference and the PRNG key are this run's.
+    Only those two facts are read from the source's config, so a run made by an older version
+    (with fewer config fields) still works.
     """
     source = Path(run.cfg.init_from)
-    src_cfg = validate(json.loads((source / "config.json").read_text()))
-    critic = make_critic(src_cfg, run.graphdef, mcfg.hidden_size, run.tokenizer.pad_id)
+    src_train = json.loads((source / "config.json").read_text()).get("train", {})
+    src_algo = get_algorithm(src_train.get("algo", "grpo"))
+    critic = None
+    if src_algo.needs_critic:
+        critic = make_critic(run.cfg, run.graphdef, mcfg.hidden_size, run.tokenizer.pad_id)
+        if critic is None:  # This run's algorithm has none: build one of the source's shape.
+            from bpo_jax.critic import Critic
+
+            critic = Critic(run.graphdef, mcfg.hidden_size, 1.0, 1, 0, run.tokenizer.pad_id)
+    params = state.train.params
+    template = initial_state(run.cfg, params, run.updater.optimizer, critic).replace(
+        ref_params=jax.tree.map(jax.numpy.copy, params)
+        if float(src_train.get("kl_coef", 0.0)) > 0
+        else None
+    )
     optimizer = run.updater.optimizer
     with Checkpointer(source / "checkpoints") as src:
-        loaded = initial_state(src_cfg, state.train.params, optimizer, critic).restore(src)
+        loaded = template.restore(src, step=src.latest_step())  # Leaves the source as it is.
     params = loaded.train.params
     ref = jax.tree.map(jax.numpy.copy, params) if state.ref_params is not None else None
     print(

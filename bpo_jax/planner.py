@@ -84,6 +84,26 @@ class BranchPlanner:
             return False
         return not self.rounded[p.task] and self.spent[p.task] < self.spec.budget
 
+    def _committed(self, live: list[LivePath]) -> np.ndarray:
+        """Per task: what it spent, plus what its live paths are expected to spend from their
+        current step on."""
+        committed = self.spent.copy()
+        for p in live:
+            committed[p.task] += self.expected_cost(p.t)
+        return committed
+
+    def probe_candidates(self, live: list[LivePath], probes: int) -> list[int]:
+        """Paths that may spend `probes` extra actions on scoring this step (`action_samples`):
+        eligible ones whose task can pay for the probes within its budget, served in order."""
+        committed = self._committed(live)
+        cost = probes * self.costs.of_steps(1)
+        out = []
+        for i, p in enumerate(live):
+            if self.eligible(p) and committed[p.task] + cost <= self.spec.budget:
+                committed[p.task] += cost
+                out.append(i)
+        return out
+
     def choose(self, live: list[LivePath], entropies: np.ndarray) -> list[int]:
         """Indices into `live` of the paths that branch at this turn (online rules only).
 
@@ -96,11 +116,7 @@ class BranchPlanner:
         scores = self.selector.scores(entropies, np.array([p.t for p in live]))
         eligible = [i for i, p in enumerate(live) if not np.isnan(scores[i]) and self.eligible(p)]
         eligible.sort(key=lambda i: -scores[i])
-        # Committed spending per task: what it spent before this turn plus what its live paths
-        # are expected to spend from this turn's action on.
-        committed = self.spent.copy()
-        for p in live:
-            committed[p.task] += self.expected_cost(p.t)
+        committed = self._committed(live)
         chosen = []
         for i in eligible:
             p = live[i]

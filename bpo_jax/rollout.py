@@ -172,11 +172,12 @@ class _Lockstep:
 
     def _probe_scores(self, live: list[LivePath], ctx) -> np.ndarray:
         """`action_samples` rule: per path, the entropy of `probes` extra actions drawn at h_t
-        (NaN where the path cannot branch). Their tokens are charged to the paths' tasks."""
+        (NaN where the path cannot branch, or its task cannot pay for the probes). Their tokens
+        are charged to the paths' tasks."""
         import jax  # Local: keeps this module importable without initialising JAX.
 
         m = self.planner.selector.probes
-        eligible = [i for i, p in enumerate(live) if self.planner.eligible(p)]
+        eligible = self.planner.probe_candidates(live, m)
         scores = np.full((len(live),), np.nan)
         if not eligible:
             return scores

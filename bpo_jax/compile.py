@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import re
 import sys
 from collections.abc import Sequence
@@ -102,6 +103,9 @@ def topology_devices(s: Slice) -> list:
     """libtpu's compile-only devices of the slice, one per chip."""
     from jax.experimental import topologies
 
+    # Compile-only use touches no chip: several compiles (tests, sweeps) may load libtpu at
+    # once, which its single-user lockfile would otherwise refuse.
+    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
     bounds = (1, 1, 1) if s.chips < 4 else (2, 2, 1)
     desc = topologies.get_topology_desc(
         platform="tpu",
@@ -179,8 +183,11 @@ def _replicated(x, mesh: Mesh):
 # ----------------------------------------------------------------------------- the programs
 
 
-def lower_update(cfg, mcfg, mesh: Mesh):
-    """The RL update step at the config's minibatch, lowered (not compiled)."""
+def lower_update(cfg, mcfg, mesh: Mesh, length: int | None = None):
+    """The RL update step at the config's minibatch, lowered (not compiled).
+
+    `length` overrides the batch's sequence length (default: `update_length(cfg)`).
+    """
     t = cfg.train
     graphdef, params, specs = abstract_params(mcfg, mesh)
     updater = learner.RLUpdater(graphdef, cfg, 0, lambda *_: None, params=params)
@@ -194,7 +201,7 @@ def lower_update(cfg, mcfg, mesh: Mesh):
     )
     step = _replicated(jax.ShapeDtypeStruct((), jnp.int32), mesh)
     state = learner.TrainState(params=params, opt_state=opt_state, step=step)
-    length = update_length(cfg)
+    length = update_length(cfg) if length is None else length
     rows = t.minibatch_size
 
     def per_token(dtype):
@@ -247,8 +254,50 @@ def lower_sampler(cfg, mcfg, mesh: Mesh):
     return prefill_lowered, decode_lowered
 
 
-def analyse(compiled, s: Slice) -> dict:
-    """Per-chip bytes, FLOPs and roofline seconds of a compiled program."""
+def model_flops(cfg, mcfg, program: str, chips: int) -> float:
+    """Per-chip FLOPs of a program from the architecture (matmuls and attention).
+
+    XLA's cost analysis counts a loop's body once (the layer scan, the microbatch scan, the
+    LM-head chunks, the decode loop), so for programs with loops its FLOPs are a lower bound;
+    the roofline takes the larger of the two. Update: forward, backward (twice the forward) and,
+    with `remat="full"`, the layers' forward once more; attention is causal (half the [T, T]
+    products). Prefill: T tokens per row attending over the cache. Decode: `max_action_tokens`
+    steps, each one token per row over the full cache.
+    """
+    d, e, v = mcfg.hidden_size, mcfg.resolved_head_dim, mcfg.vocab_size
+    h, k, f, n = mcfg.num_heads, mcfg.num_kv_heads, mcfg.intermediate_size, mcfg.num_layers
+    layer_params = d * (h + 2 * k) * e + h * e * d + 3 * d * f
+    rows_rollout = cfg.train.tasks_per_iter * cfg.train.group_size
+    capacity = cfg.agent.max_prompt_tokens + cfg.agent.max_action_tokens
+    if program == "update":
+        rows, t = cfg.train.minibatch_size, update_length(cfg)
+        layers = 2 * layer_params * rows * t + n * 4 * h * e * rows * t * t / 2
+        head = 2 * d * v * rows * t
+        recompute = layers + head if cfg.model.remat == "full" else head
+        total = 3 * (layers + head) + recompute
+    elif program == "prefill":
+        t = learner.round_up(cfg.agent.max_prompt_tokens, cfg.sampler.length_bucket)
+        rows = rows_rollout
+        total = 2 * layer_params * rows * t + n * 4 * h * e * rows * t * capacity + 2 * d * v * rows
+    elif program == "decode":
+        rows = rows_rollout
+        step = 2 * layer_params * rows + n * 4 * h * e * rows * capacity + 2 * d * v * rows
+        total = step * cfg.agent.max_action_tokens
+    else:
+        raise ValueError(f"Unknown program {program!r}.")
+    return float(total) / chips
+
+
+def analyse(compiled, s: Slice, analytic_flops: float, loop_trips: int = 1) -> dict:
+    """Per-chip bytes, FLOPs and roofline seconds of a compiled program.
+
+    Args:
+      compiled: the compiled program.
+      s: the slice.
+      analytic_flops: `model_flops` of the program.
+      loop_trips: how many times the program's main loop runs, which XLA's per-iteration
+        counts are multiplied by (decode: its steps).
+    """
     mem = compiled.memory_analysis()
     cost = compiled.cost_analysis()
     cost = cost[0] if isinstance(cost, list | tuple) else cost
@@ -259,14 +308,17 @@ def analyse(compiled, s: Slice) -> dict:
     total += int(mem.generated_code_size_in_bytes)
     flops = float(cost.get("flops", 0.0))
     accessed = float(cost.get("bytes accessed", 0.0))
+    compute = max(flops * loop_trips, analytic_flops) / s.chip.peak_bf16_flops
+    memory = accessed * loop_trips / s.chip.hbm_bytes_per_s
     return {
         "argument_bytes": argument,
         "temp_bytes": temp,
         "total_bytes": total,
         "fits": total <= s.chip.hbm_bytes,
         "flops": flops,
+        "model_flops": analytic_flops,
         "bytes_accessed": accessed,
-        "roofline_seconds": max(flops / s.chip.peak_bf16_flops, accessed / s.chip.hbm_bytes_per_s),
+        "roofline_seconds": max(compute, memory),
     }
 
 
@@ -278,6 +330,8 @@ def compile_report(
     devices = topology_devices(s)
     mesh = sharding.make_mesh(cfg.mesh.axes, devices=devices)
     mcfg = model_config_of(cfg)
+    # The start-up check a run makes: no large parameter left unsplit on this mesh.
+    sharding.check_replication(abstract_params(mcfg, mesh)[1])
     out = {}
     with jax.set_mesh(mesh), sharding.axis_rules(cfg.mesh.rules):
         lowered = {}
@@ -287,7 +341,9 @@ def compile_report(
             prefill, decode = lower_sampler(cfg, mcfg, mesh)
             lowered.update({"prefill": prefill, "decode": decode})
         for name in programs_:
-            out[name] = analyse(lowered[name].compile(), s)
+            trips = cfg.agent.max_action_tokens if name == "decode" else 1
+            flops = model_flops(cfg, mcfg, name, s.chips)
+            out[name] = analyse(lowered[name].compile(), s, flops, trips)
     return {
         "topology": accelerator_type,
         "chips": s.chips,
@@ -303,13 +359,14 @@ def format_report(report: dict) -> str:
         f"{report['topology']}: {report['chips']} chips, {hbm / GiB:.1f} GiB HBM per chip, "
         f"mesh {report['mesh']}",
         f"{'program':<8} {'args GiB':>9} {'temp GiB':>9} {'total GiB':>10} {'fits':>5} "
-        f"{'TFLOP':>9} {'GB accessed':>12} {'roofline s':>11}",
+        f"{'TFLOP':>9} {'model TFLOP':>12} {'GB accessed':>12} {'roofline s':>11}",
     ]
     for name, p in report["programs"].items():
         lines.append(
             f"{name:<8} {p['argument_bytes'] / GiB:>9.2f} {p['temp_bytes'] / GiB:>9.2f} "
             f"{p['total_bytes'] / GiB:>10.2f} {'yes' if p['fits'] else 'NO':>5} "
-            f"{p['flops'] / 1e12:>9.2f} {p['bytes_accessed'] / 1e9:>12.2f} "
+            f"{p['flops'] / 1e12:>9.2f} {p['model_flops'] / 1e12:>12.2f} "
+            f"{p['bytes_accessed'] / 1e9:>12.2f} "
             f"{p['roofline_seconds']:>11.4f}"
         )
     return "\n".join(lines)

@@ -14,6 +14,7 @@ FIELDS = (
     "total_bytes",
     "fits",
     "flops",
+    "model_flops",
     "bytes_accessed",
     "roofline_seconds",
 )
@@ -65,8 +66,9 @@ def test_compile_tool_on_a_small_topology_writes_the_report(tmp_path):
             assert p[field] > 0, (name, field, p[field])
         assert p["total_bytes"] >= p["temp_bytes"], name
         assert p["total_bytes"] < report["hbm_bytes_per_chip"]
-    # The update does more work than a prefill of the same rows, which does more than a decode.
+    # The update does more work than the prefill, which does more than a decode loop's body.
     progs = report["programs"]
+    assert progs["update"]["model_flops"] > progs["prefill"]["model_flops"]
     assert progs["update"]["flops"] > progs["prefill"]["flops"] > progs["decode"]["flops"]
 
 

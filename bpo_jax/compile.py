@@ -266,7 +266,7 @@ def model_flops(cfg, mcfg, program: str, chips: int) -> float:
     """
     d, e, v = mcfg.hidden_size, mcfg.resolved_head_dim, mcfg.vocab_size
     h, k, f, n = mcfg.num_heads, mcfg.num_kv_heads, mcfg.intermediate_size, mcfg.num_layers
-    layer_params = d * (h + 2 * k) * e + h * e * d + 3 * d * f
+    layer_params = n * (d * (h + 2 * k) * e + h * e * d + 3 * d * f)  # all layers
     rows_rollout = cfg.train.tasks_per_iter * cfg.train.group_size
     capacity = cfg.agent.max_prompt_tokens + cfg.agent.max_action_tokens
     if program == "update":

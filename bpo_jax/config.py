@@ -25,6 +25,7 @@ from bpo_jax.estimators import NORMALIZE
 from bpo_jax.forest import STEP_WEIGHTINGS
 from bpo_jax.learner import LOSS_AGGS
 from bpo_jax.models.config import PRESETS
+from bpo_jax.models.llama import REMAT_POLICIES
 
 # The algorithm registry under its old name (algorithm name -> `Algorithm`).
 ALGOS = ALGORITHMS
@@ -108,6 +109,8 @@ class ModelSpec(_Spec):
     max_seq_len: int = positive()
     dtype: str = one_of(lambda: DTYPES)
     param_dtype: str = one_of(lambda: DTYPES)
+    remat: str = one_of(lambda: REMAT_POLICIES)  # Decoder layers' rematerialisation in updates.
+    scan_layers: bool  # Updates run the layers as one lax.scan (faster compiles).
 
     def _check_fields(self):
         if self.preset != "tiny" and not self.hf_checkpoint:
@@ -208,6 +211,8 @@ class TrainSpec(_Spec):
     kl_coef: float = at_least(0)
     epochs: int = at_least(1)
     minibatch_size: int = at_least(1)
+    microbatch_size: int = at_least(0)  # Gradient accumulation; 0 = the whole minibatch.
+    logits_chunk: int = at_least(0)  # Positions per chunk of the LM head's loss; 0 = all.
     loss_agg: str = one_of(lambda: LOSS_AGGS)
     step_weighting: str = one_of(lambda: STEP_WEIGHTINGS)
     adv_eps: float = positive()
@@ -217,6 +222,14 @@ class TrainSpec(_Spec):
     gae_lambda: float = unit_interval()  # PPO: GAE lambda over turns.
     value_lr: float = positive()  # PPO: learning rate of the value head.
     value_epochs: int = at_least(1)  # PPO: value-head passes over each batch.
+
+    def _check_fields(self):
+        if self.microbatch_size and self.minibatch_size % self.microbatch_size:
+            self._fail(
+                "microbatch_size",
+                self.microbatch_size,
+                f"must divide train.minibatch_size ({self.minibatch_size}), or be 0",
+            )
 
 
 @dataclasses.dataclass(frozen=True)

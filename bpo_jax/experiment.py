@@ -85,6 +85,13 @@ def base_config(
     c.model.max_seq_len = 512 if cpu else 8192  # KV-cache capacity and longest training sequence.
     c.model.dtype = "float32" if cpu else "bfloat16"  # Activation dtype.
     c.model.param_dtype = "float32"  # Parameter (and optimizer-state) dtype.
+    # Rematerialisation of each decoder layer in the update's backward pass: none | full |
+    # dots_saveable | dots_with_no_batch_dims_saveable (jax.checkpoint_policies). "full" keeps
+    # one [B, T, D] residual per layer; without it a 7B update at 4k tokens cannot fit a chip.
+    c.model.remat = "none" if cpu else "full"
+    # The update runs the layers as one lax.scan over their stacked parameters: XLA compiles
+    # one layer, not 28 or 32 (parameters stay stored per layer).
+    c.model.scan_layers = not cpu
 
     # Device mesh (data, fsdp, tensor); -1 takes the remaining devices. Logical-axis rules map the
     # model's named axes to mesh axes (see bpo_jax/models/sharding.py). With data > 1 the sampler
@@ -134,6 +141,13 @@ def base_config(
     c.train.kl_coef = 0.0  # KL(pi || reference) penalty (k3 estimator); 0 = no reference model.
     c.train.epochs = 1  # Passes over each rollout batch.
     c.train.minibatch_size = 64 if cpu else 128  # Sequences per gradient step.
+    # Sequences per microbatch of the gradient (accumulated in float32 inside the jitted step;
+    # the update equals the whole minibatch's); 0 = the whole minibatch at once. Full setting:
+    # as many rows as the mesh splits the batch into at most (one row per chip on 64 chips).
+    c.train.microbatch_size = 0 if cpu else 64
+    # Positions per chunk of the LM head when the update scores tokens: the [B, L, V] float32
+    # logits never exist whole (at a 152k vocabulary a 4k-token row's are 2.5 GB); 0 = all.
+    c.train.logits_chunk = 0 if cpu else 512
     c.train.loss_agg = "token_mean"  # token_mean | seq_mean.
     # Loss weight of a step. "trajectory": every root-to-leaf path counts once with weight
     # (its probability in the tree) / (its length), the per-trajectory objective GRPO and RLOO

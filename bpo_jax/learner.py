@@ -9,7 +9,6 @@ Shape suffixes: B sequences, L sequence length.
 from __future__ import annotations
 
 import dataclasses
-import functools
 from collections.abc import Callable, Sequence
 
 import flax.struct
@@ -18,6 +17,10 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec
+
+from bpo_jax.models import sharding
+from bpo_jax.models.llama import REMAT_POLICIES
 
 LOSS_AGGS = ("token_mean", "seq_mean")  # How token losses become one number (`_aggregate`).
 
@@ -135,15 +138,84 @@ def token_logprobs(model_fn, params, tokens_bl: jax.Array, temperature: float = 
     distribution the rollouts were sampled from, which is then the policy being optimised (so the
     importance ratios stay on-policy).
 
+    A `model_fn` from `make_model_fn` computes them over chunks of `logits_chunk` positions
+    (`chunked_token_logprobs`), so that no [B, L, V] float32 tensor exists, in the forward pass
+    or the backward one; any other `fn(params, tokens) -> (logits, _)` is scored whole.
+
     Returns:
       (logprobs [B, L], entropies [B, L]) in float32.
     """
-    logits, _ = model_fn(params, tokens_bl[:, :-1])
-    logp_all = jax.nn.log_softmax(logits.astype(jnp.float32) / temperature, axis=-1)
-    logp = jnp.take_along_axis(logp_all, tokens_bl[:, 1:, None], axis=-1)[..., 0]
-    ent = -jnp.sum(jnp.exp(logp_all) * logp_all, axis=-1)
+    features = getattr(model_fn, "features", None)
+    if features is not None:
+        hidden_btd, head_dv = features(params, tokens_bl[:, :-1])
+        logp, ent = chunked_token_logprobs(
+            hidden_btd, head_dv, tokens_bl[:, 1:], temperature, model_fn.logits_chunk
+        )
+    else:
+        logits, _ = model_fn(params, tokens_bl[:, :-1])
+        logp, ent = _logprob_entropy(logits, tokens_bl[:, 1:], temperature)
     pad = jnp.zeros_like(logp[:, :1])
     return jnp.concatenate([pad, logp], axis=1), jnp.concatenate([pad, ent], axis=1)
+
+
+def _logprob_entropy(logits_btv, targets_bt, temperature: float):
+    """Log-prob of `targets_bt` and entropy of softmax(logits / temperature), in float32."""
+    logp_all = jax.nn.log_softmax(logits_btv.astype(jnp.float32) / temperature, axis=-1)
+    logp = jnp.take_along_axis(logp_all, targets_bt[..., None], axis=-1)[..., 0]
+    ent = -jnp.sum(jnp.exp(logp_all) * logp_all, axis=-1)
+    return logp, ent
+
+
+def chunked_token_logprobs(
+    hidden_btd: jax.Array,
+    head_dv: jax.Array,
+    targets_bt: jax.Array,
+    temperature: float = 1.0,
+    chunk: int = 0,
+):
+    """Log-probs of `targets_bt` and entropies from final hidden states, C positions at a time.
+
+    The LM head, the log-softmax and the entropy run inside a `lax.scan` over chunks of `chunk`
+    positions whose body is rematerialised (`jax.checkpoint`): the forward pass holds one
+    chunk's [B, C, V] float32 logits at a time, and the backward pass recomputes each chunk's
+    logits from its [B, C, D] hidden states instead of keeping them. At Qwen2.5-7B's 152k
+    vocabulary a 1024-token sequence's float32 logits are 0.6 GB; a 128-position chunk's, 78 MB.
+
+    Args:
+      hidden_btd: [B, T, D] final-norm hidden states (compute dtype).
+      head_dv: [D, V] LM head (compute dtype).
+      targets_bt: int32 [B, T] the token each position predicts.
+      temperature: the policy's sampling temperature.
+      chunk: positions per chunk; 0 (or >= T) scores the whole sequence at once.
+
+    Returns:
+      (logprobs [B, T], entropies [B, T]) in float32.
+    """
+    b, t, d = hidden_btd.shape
+
+    def score(h_bcd, y_bc):
+        logits_bcv = jnp.einsum("bcd,dv->bcv", h_bcd, head_dv, preferred_element_type=jnp.float32)
+        logits_bcv = sharding.constrain(logits_bcv, ("batch", "length", "vocab"))
+        return _logprob_entropy(logits_bcv, y_bc, temperature)
+
+    if chunk <= 0 or chunk >= t:
+        return score(hidden_btd, targets_bt)
+    n = -(-t // chunk)
+    pad = n * chunk - t
+    h = jnp.pad(hidden_btd, ((0, 0), (0, pad), (0, 0)))
+    y = jnp.pad(targets_bt, ((0, 0), (0, pad)))
+    # [B, N C, ...] -> [N, B, C, ...]: the scan runs over chunks; rows keep their sharding.
+    h_nbcd = h.reshape(b, n, chunk, d).transpose(1, 0, 2, 3)
+    y_nbc = y.reshape(b, n, chunk).transpose(1, 0, 2)
+
+    @jax.checkpoint
+    def body(_, xs):
+        return None, score(*xs)
+
+    _, (logp_nbc, ent_nbc) = jax.lax.scan(body, None, (h_nbcd, y_nbc))
+    logp = logp_nbc.transpose(1, 0, 2).reshape(b, n * chunk)[:, :t]
+    ent = ent_nbc.transpose(1, 0, 2).reshape(b, n * chunk)[:, :t]
+    return logp, ent
 
 
 def _safe_div(num, den):
@@ -220,30 +292,172 @@ def pg_loss(
     return loss, metrics
 
 
-def make_model_fn(graphdef):
-    """Wraps an NNX graphdef into `fn(params, tokens) -> (logits, None)`."""
+def make_model_fn(
+    graphdef, *, remat: str = "none", logits_chunk: int = 0, scan_layers: bool = False
+):
+    """Wraps an NNX graphdef into `fn(params, tokens) -> (logits, None)`.
+
+    The function also carries `fn.features(params, tokens) -> (hidden [B, T, D], head [D, V])`
+    and `fn.logits_chunk`, which `token_logprobs` uses to score tokens chunk by chunk.
+
+    Args:
+      graphdef: a `Transformer`'s graphdef.
+      remat: the decoder layers' rematerialisation policy (`llama.REMAT_POLICIES`).
+      logits_chunk: positions per chunk of the LM head in `token_logprobs` (0 = all at once).
+      scan_layers: run the decoder layers as one `lax.scan` (`Transformer(scan_layers=)`).
+    """
+    if remat not in REMAT_POLICIES:
+        raise ValueError(f"Unknown remat policy {remat!r}; known: {sorted(REMAT_POLICIES)}.")
 
     def model_fn(params, tokens_bl):
         model = nnx.merge(graphdef, params)
-        return model(tokens_bl)
+        return model(tokens_bl, remat=remat, scan_layers=scan_layers)
 
+    def features(params, tokens_bl):
+        model = nnx.merge(graphdef, params)
+        # The logits the model also returns are dead code here, and XLA removes them.
+        _, _, hidden_btd = model(
+            tokens_bl, remat=remat, scan_layers=scan_layers, return_hidden=True
+        )
+        return hidden_btd, model.head_weight()
+
+    model_fn.features = features
+    model_fn.logits_chunk = int(logits_chunk)
     return model_fn
 
 
-def make_train_step(graphdef, optimizer: optax.GradientTransformation, loss_fn):
+def loss_denominator(batch: Batch, loss_agg: str) -> jax.Array:
+    """The weight sum that `_aggregate` divides a batch's loss by (see `make_train_step`)."""
+    mask_bl = batch.loss_mask * (batch.weights[:, None] > 0)
+    if loss_agg == "token_mean":
+        return jnp.sum(mask_bl * batch.weights[:, None])
+    if loss_agg == "seq_mean":
+        return jnp.sum(batch.weights * (jnp.sum(mask_bl, axis=1) > 0))
+    raise ValueError(f"Unknown loss_agg {loss_agg!r}; expected one of {LOSS_AGGS}.")
+
+
+def state_shardings(optimizer: optax.GradientTransformation, params, param_shardings):
+    """Shardings of a `TrainState`: the optimizer's per-parameter state laid out like the
+    parameters, everything else (counts, the step) replicated.
+
+    Args:
+      optimizer: the optax transformation.
+      params: the parameters (arrays or `jax.ShapeDtypeStruct`s).
+      param_shardings: the parameters' shardings (`factory.param_specs`), same tree.
+
+    Returns:
+      A `TrainState` of `NamedSharding`s.
+    """
+    mesh = jax.tree.leaves(param_shardings)[0].mesh
+    replicated = NamedSharding(mesh, PartitionSpec())
+    by_path = {
+        path: (spec, param.shape)
+        for (path, spec), param in zip(
+            jax.tree_util.tree_leaves_with_path(param_shardings), jax.tree.leaves(params)
+        )
+    }
+
+    def spec_of(path, leaf):
+        # A per-parameter state leaf (Adam's mu, nu) sits at the parameter's own path below
+        # the optimizer's nesting: match the longest path suffix with the parameter's shape.
+        for i in range(len(path)):
+            hit = by_path.get(tuple(path[i:]))
+            if hit is not None and tuple(hit[1]) == tuple(leaf.shape):
+                return hit[0]
+        return replicated
+
+    abstract_opt = jax.eval_shape(optimizer.init, params)
+    opt = jax.tree_util.tree_map_with_path(spec_of, abstract_opt)
+    return TrainState(params=param_shardings, opt_state=opt, step=replicated)
+
+
+def make_train_step(
+    graphdef,
+    optimizer: optax.GradientTransformation,
+    loss_fn,
+    *,
+    microbatch_size: int = 0,
+    loss_agg: str = "token_mean",
+    remat: str = "none",
+    logits_chunk: int = 0,
+    scan_layers: bool = False,
+    shardings: TrainState | None = None,
+):
     """Builds the jitted update: `(state, batch, *extra) -> (state, metrics)`.
 
     The state's buffers are donated: the update happens in place on the device. The global
     gradient norm (before clipping) is reported every step.
+
+    Gradient accumulation: with `0 < microbatch_size < B`, the B rows (and every per-row array
+    in `extra`) are split into B / microbatch_size microbatches (rows m, m + n, m + 2n, ... for
+    n microbatches, so each device keeps its own rows), run one after another in a `lax.scan`,
+    and their gradients summed in float32, each weighted by its share of the batch's loss
+    denominator (`loss_denominator`). Since the losses are weighted means, that is the gradient
+    of the whole batch's loss: the update equals the unaccumulated one. The loss metrics are
+    combined with the same weights.
+
+    Args:
+      graphdef, optimizer, loss_fn: the model, the optax transformation and
+        `loss_fn(model_fn, params, batch, *extra) -> (loss, metrics)`.
+      microbatch_size: rows per microbatch; 0 (or B) runs the batch at once. Must divide B.
+      loss_agg: how `loss_fn` aggregates token losses (the microbatch weights).
+      remat, logits_chunk, scan_layers: see `make_model_fn`.
+      shardings: the `TrainState`'s shardings (`state_shardings`): the state's input and output
+        shardings, and the layout of the gradient accumulators.
     """
-    model_fn = make_model_fn(graphdef)
+    model_fn = make_model_fn(
+        graphdef, remat=remat, logits_chunk=logits_chunk, scan_layers=scan_layers
+    )
 
-    @functools.partial(jax.jit, donate_argnums=(0,))
+    def grads_of(params, batch, extra):
+        def objective(p):
+            return loss_fn(model_fn, p, batch, *extra)
+
+        return jax.value_and_grad(objective, has_aux=True)(params)
+
+    def accumulated(params, batch, extra):
+        rows = batch.tokens.shape[0]
+        if microbatch_size <= 0 or microbatch_size >= rows:
+            return grads_of(params, batch, extra)
+        if rows % microbatch_size:
+            raise ValueError(
+                f"train.microbatch_size ({microbatch_size}) must divide the batch's {rows} rows."
+            )
+        n = rows // microbatch_size
+        # Row r = m * n + j goes to microbatch j: a row-sharded batch splits without moving.
+        split = jax.tree.map(
+            lambda x: jnp.swapaxes(x.reshape(microbatch_size, n, *x.shape[1:]), 0, 1),
+            (batch, extra),
+        )
+        total = loss_denominator(batch, loss_agg)
+        zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
+        if shardings is not None:
+            zeros = jax.lax.with_sharding_constraint(zeros, shardings.params)
+
+        def body(carry, xs):
+            grad_sum, loss_sum, metric_sum = carry
+            mb, mb_extra = xs
+            mb = jax.tree.map(
+                lambda x: sharding.constrain(x, ("batch",) + (None,) * (x.ndim - 1)), mb
+            )
+            (loss, metrics), grads = grads_of(params, mb, mb_extra)
+            share = _safe_div(loss_denominator(mb, loss_agg), total)
+            grad_sum = jax.tree.map(lambda a, g: a + share * g.astype(jnp.float32), grad_sum, grads)
+            metric_sum = jax.tree.map(lambda a, m: a + share * m, metric_sum, metrics)
+            return (grad_sum, loss_sum + share * loss, metric_sum), None
+
+        first = jax.tree.map(lambda x: x[0], split)
+        metric_zeros = jax.tree.map(
+            jnp.zeros_like, jax.eval_shape(lambda: grads_of(params, *first)[0][1])
+        )
+        (grad_sum, loss, metrics), _ = jax.lax.scan(
+            body, (zeros, jnp.float32(0.0), metric_zeros), split
+        )
+        grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grad_sum, params)
+        return (loss, metrics), grads
+
     def train_step(state: TrainState, batch: Batch, *extra):
-        def objective(params):
-            return loss_fn(model_fn, params, batch, *extra)
-
-        (loss, metrics), grads = jax.value_and_grad(objective, has_aux=True)(state.params)
+        (loss, metrics), grads = accumulated(state.params, batch, extra)
         updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
         metrics = dict(
@@ -251,12 +465,14 @@ def make_train_step(graphdef, optimizer: optax.GradientTransformation, loss_fn):
         )
         return TrainState(params=params, opt_state=opt_state, step=state.step + 1), metrics
 
-    return train_step
+    if shardings is None:
+        return jax.jit(train_step, donate_argnums=(0,))
+    return jax.jit(train_step, donate_argnums=(0,), out_shardings=(shardings, None))
 
 
-def make_logprob_fn(graphdef, temperature: float = 1.0):
+def make_logprob_fn(graphdef, temperature: float = 1.0, *, logits_chunk: int = 0):
     """Jitted `(params, tokens) -> (logprobs, entropies)` for scoring rollouts."""
-    model_fn = make_model_fn(graphdef)
+    model_fn = make_model_fn(graphdef, logits_chunk=logits_chunk)
     return jax.jit(lambda params, tokens: token_logprobs(model_fn, params, tokens, temperature))
 
 
@@ -286,7 +502,20 @@ def minibatches(items: Sequence, size: int, rng: np.random.Generator):
 class RLUpdater:
     """Holds the jitted update and scoring functions for the clipped policy gradient."""
 
-    def __init__(self, graphdef, cfg, pad_id: int, write: Callable[[int, dict], None]):
+    def __init__(
+        self, graphdef, cfg, pad_id: int, write: Callable[[int, dict], None], *, params=None
+    ):
+        """Builds the update for `cfg`'s train section.
+
+        Args:
+          graphdef: the policy's graphdef.
+          cfg: the `config.ExperimentConfig`.
+          pad_id: the padding token of update batches.
+          write: `write(step, metrics)` of the run's metric writer.
+          params: the policy's parameters (arrays or `ShapeDtypeStruct`s with `NamedSharding`s):
+            when given, the update's state shardings are explicit (`state_shardings`), the
+            optimizer state laid out like the parameters.
+        """
         t = cfg.train
         self.cfg = cfg
         self.pad_id = pad_id
@@ -307,8 +536,23 @@ class RLUpdater:
                 ref_logprobs=ref_logprobs,
             )
 
-        self.step_fn = make_train_step(graphdef, self.optimizer, loss)
-        self.logprob_fn = make_logprob_fn(graphdef, temp)
+        shardings = None
+        if params is not None:
+            shardings = state_shardings(
+                self.optimizer, params, jax.tree.map(lambda x: x.sharding, params)
+            )
+        self.step_fn = make_train_step(
+            graphdef,
+            self.optimizer,
+            loss,
+            microbatch_size=t.microbatch_size,
+            loss_agg=t.loss_agg,
+            remat=cfg.model.remat,
+            logits_chunk=t.logits_chunk,
+            scan_layers=cfg.model.scan_layers,
+            shardings=shardings,
+        )
+        self.logprob_fn = make_logprob_fn(graphdef, temp, logits_chunk=t.logits_chunk)
 
     def update(
         self,

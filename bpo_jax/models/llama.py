@@ -43,6 +43,18 @@ _MAX_QUERY_BLOCKS = 8
 # sharpened tiny() model; with it they agree exactly.
 _KEY_ALIGN = 64
 
+# Rematerialisation of each decoder layer in a training forward pass (`Transformer(remat=)`),
+# by the name of its `jax.checkpoint_policies` policy: what the backward pass keeps of a layer
+# rather than recomputes. "none" keeps everything (no `jax.checkpoint`); "full" keeps only the
+# layer's input (`nothing_saveable`): a 7B layer stack then holds one [B, T, D] residual per
+# layer, and recomputes a layer's forward pass in its backward one.
+REMAT_POLICIES = {
+    "none": None,
+    "full": "nothing_saveable",
+    "dots_saveable": "dots_saveable",
+    "dots_with_no_batch_dims_saveable": "dots_with_no_batch_dims_saveable",
+}
+
 
 def _param(rngs: nnx.Rngs, shape, axes, dtype, init: str = "normal", fused=None) -> nnx.Param:
     """A parameter with `logical_axes` metadata.
@@ -134,6 +146,11 @@ class KVCache:
             v=tuple(jnp.concatenate([c.v[i] for c in caches]) for i in layers),
             lengths=jnp.concatenate([c.lengths for c in caches]),
         )
+
+
+def cache_axes() -> tuple[tuple[str | None, ...], tuple[str | None, ...]]:
+    """Logical axes of one layer's (keys [B, K, E, S], values [B, K, S, E]) cache buffers."""
+    return _KEY_AXES, _VALUE_AXES
 
 
 def init_cache(
@@ -253,7 +270,14 @@ class Attention(nnx.Module):
             self.qkv_bias = _param(rngs, (k, h // k + 2, e), qkv_axes[1:], pd, init="zeros")
 
     def __call__(
-        self, x_btd, positions_bt, k_cache_bkes=None, v_cache_bkse=None, *, in_order=False
+        self,
+        x_btd,
+        positions_bt,
+        k_cache_bkes=None,
+        v_cache_bkse=None,
+        *,
+        in_order=False,
+        stationary=False,
     ):
         """Self-attention of T new tokens, over themselves or over a cache they are written to.
 
@@ -271,6 +295,7 @@ class Attention(nnx.Module):
           v_cache_bkse: optional [B, K, S, E] value cache of this layer.
           in_order: without a cache, promises that positions_bt is 0..T-1 in every row, so that
             query block [i, j) attends to keys [0, j) only (`_causal_blocks`).
+          stationary: keep the weights where they are stored (`_stationary`): for decode steps.
 
         Returns:
           (output [B, T, D], updated keys, updated values); the cache outputs are None without
@@ -281,7 +306,10 @@ class Attention(nnx.Module):
         b, t, _ = x_btd.shape
         kh, e = cfg.num_kv_heads, cfg.resolved_head_dim
         g = cfg.num_heads // kh
+        x_btd = _stationary(x_btd, "embed", stationary)
         qkv = jnp.einsum("btd,dkje->btkje", x_btd, self.qkv_proj[...].astype(dt))
+        if stationary:
+            qkv = constrain(qkv, ("batch", "length", "kv_heads", None, None))
         if cfg.qkv_bias:
             qkv = qkv + self.qkv_bias[...].astype(dt)
         # A trace-time constant, not an attribute: NNX would put an array attribute into the
@@ -341,6 +369,7 @@ class Attention(nnx.Module):
         # [B, K, G, T, E] -> [B, T, H * E] (h = k * G + g): one plain [B T, H E] x [H E, D]
         # matmul, with the weight read as stored.
         out = out.transpose(0, 3, 1, 2, 4).reshape(b, t, kh * g * e)
+        out = _stationary(out, "heads", stationary)
         o_proj = self.o_proj[...].astype(dt).reshape(kh * g * e, -1)
         out = jnp.einsum("btf,fd->btd", out, o_proj)
         if k_cache_bkes is None:
@@ -370,6 +399,22 @@ def _attend(q_bkgte, keys_bkes, values_bkse, mask_bts) -> jax.Array:
     return (out / total).astype(q_bkgte.dtype)
 
 
+def _stationary(x: jax.Array, axis: str, on: bool) -> jax.Array:
+    """In a decode step, lays the activation out like the weight it is multiplied with.
+
+    A decode step multiplies a few rows by every weight. Under FSDP the rows are split over
+    `fsdp` and the weights' input dimension too; left alone, XLA gathers each weight, and since
+    the gathered weights are the same in every step of the decode loop it hoists the gathers
+    out of the loop: the whole model then sits gathered on every chip (33 GiB per chip for
+    Qwen2.5-7B in float32). Instead the rows are replicated and their last dimension split like
+    the weight's contracted one (`axis`): each chip multiplies its slice of the weight and a
+    reduction over the small [B, ...] result combines them; no weight moves.
+    """
+    if not on:
+        return x
+    return constrain(x, (None,) * (x.ndim - 1) + (axis,))
+
+
 def _causal_blocks(t: int) -> list[tuple[int, int]]:
     """Splits T queries into at most _MAX_QUERY_BLOCKS blocks [i, j) of >= _MIN_QUERY_BLOCK.
 
@@ -390,12 +435,15 @@ class MLP(nnx.Module):
         self.gate_up_proj = _param(rngs, (d, 2, f), ("embed", None, "mlp"), pd, fused=gate_up_parts)
         self.down_proj = _param(rngs, (f, d), ("mlp", "embed"), pd)
 
-    def __call__(self, x_btd):
+    def __call__(self, x_btd, *, stationary=False):
         dt = self.dtype
+        x_btd = _stationary(x_btd, "embed", stationary)
         gate_up = jnp.einsum("btd,djf->btjf", x_btd, self.gate_up_proj[...].astype(dt))
-        hidden = constrain(
-            jax.nn.silu(gate_up[:, :, 0]) * gate_up[:, :, 1], ("batch", "length", "mlp")
-        )
+        hidden = jax.nn.silu(gate_up[:, :, 0]) * gate_up[:, :, 1]
+        if stationary:
+            hidden = _stationary(hidden, "mlp", stationary)
+        else:
+            hidden = constrain(hidden, ("batch", "length", "mlp"))
         return jnp.einsum("btf,fd->btd", hidden, self.down_proj[...].astype(dt))
 
 
@@ -406,12 +454,19 @@ class DecoderLayer(nnx.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg, rngs)
         self.mlp = MLP(cfg, rngs)
 
-    def __call__(self, x_btd, positions_bt, k_cache=None, v_cache=None, *, in_order=False):
+    def __call__(
+        self, x_btd, positions_bt, k_cache=None, v_cache=None, *, in_order=False, stationary=False
+    ):
         attn, k_cache, v_cache = self.self_attn(
-            self.input_layernorm(x_btd), positions_bt, k_cache, v_cache, in_order=in_order
+            self.input_layernorm(x_btd),
+            positions_bt,
+            k_cache,
+            v_cache,
+            in_order=in_order,
+            stationary=stationary,
         )
         x_btd = constrain(x_btd + attn, ("batch", "length", "embed"))
-        x_btd = x_btd + self.mlp(self.post_attention_layernorm(x_btd))
+        x_btd = x_btd + self.mlp(self.post_attention_layernorm(x_btd), stationary=stationary)
         return constrain(x_btd, ("batch", "length", "embed")), k_cache, v_cache
 
 
@@ -443,6 +498,8 @@ class Transformer(nnx.Module):
         cache: KVCache | None = None,
         num_new_b: jax.Array | None = None,
         return_hidden: bool = False,
+        remat: str = "none",
+        scan_layers: bool = False,
     ):
         """Runs the decoder.
 
@@ -454,6 +511,9 @@ class Transformer(nnx.Module):
           num_new_b: int32 [B], how many of the T tokens of each row are real (the rest are padding
             and are not counted into the cache's lengths). Defaults to T.
           return_hidden: also return the final hidden states [B, T, D] (for value heads).
+          remat: without a cache, the layers' rematerialisation policy (`REMAT_POLICIES`).
+          scan_layers: without a cache, run the layers as one `lax.scan` over their stacked
+            parameters (`_scan_layers`): XLA compiles one layer instead of all of them.
 
         Returns:
           (logits [B, T, V] float32, new cache or None[, hidden [B, T, D]]).
@@ -478,16 +538,34 @@ class Transformer(nnx.Module):
         x = constrain(
             jnp.take(emb, tokens_bt, axis=0).astype(cfg.dtype), ("batch", "length", "embed")
         )
+        if remat not in REMAT_POLICIES:
+            raise ValueError(f"Unknown remat policy {remat!r}; known: {sorted(REMAT_POLICIES)}.")
+        policy = REMAT_POLICIES[remat]
+        # One new token per row: a decode step, which reads every weight for a few rows.
+        stationary = cache is not None and t == 1
+        if cache is None and policy is not None:
+
+            def forward(layer, x_btd, pos_bt):
+                return layer(x_btd, pos_bt, in_order=in_order)[0]
+
+            forward = nnx.remat(forward, policy=getattr(jax.checkpoint_policies, policy))
         new_k, new_v = [], []
-        for i, layer in enumerate(self.layers):
-            if cache is None:
-                x, _, _ = layer(x, positions_bt, in_order=in_order)
-            else:
-                x, k_i, v_i = layer(x, positions_bt, cache.k[i], cache.v[i])
-                new_k.append(k_i)
-                new_v.append(v_i)
+        if cache is None and scan_layers:
+            x = _scan_layers(self.layers, x, positions_bt, in_order=in_order, policy=policy)
+        else:
+            for i, layer in enumerate(self.layers):
+                if cache is None and policy is not None:
+                    x = forward(layer, x, positions_bt)
+                elif cache is None:
+                    x, _, _ = layer(x, positions_bt, in_order=in_order)
+                else:
+                    x, k_i, v_i = layer(
+                        x, positions_bt, cache.k[i], cache.v[i], stationary=stationary
+                    )
+                    new_k.append(k_i)
+                    new_v.append(v_i)
         hidden = self.norm(x)
-        logits = self.logits(hidden)
+        logits = self.logits(hidden, stationary=stationary)
 
         new_cache = None
         if cache is not None:
@@ -499,14 +577,38 @@ class Transformer(nnx.Module):
             return logits, new_cache, hidden
         return logits, new_cache
 
-    def logits(self, hidden_btd: jax.Array) -> jax.Array:
-        """The LM head: final-norm hidden states [B, T, D] -> float32 logits [B, T, V]."""
-        dt = self.cfg.dtype
+    def head_weight(self) -> jax.Array:
+        """The LM head's [D, V] weight in the compute dtype (the embedding's transpose if tied)."""
         head_dv = self.embed_tokens[...].T if self.cfg.tie_embeddings else self.lm_head[...]
+        return head_dv.astype(self.cfg.dtype)
+
+    def logits(self, hidden_btd: jax.Array, *, stationary: bool = False) -> jax.Array:
+        """The LM head: final-norm hidden states [B, T, D] -> float32 logits [B, T, V]."""
+        hidden_btd = _stationary(hidden_btd, "embed", stationary)
         logits_btv = jnp.einsum(
-            "btd,dv->btv", hidden_btd, head_dv.astype(dt), preferred_element_type=jnp.float32
+            "btd,dv->btv", hidden_btd, self.head_weight(), preferred_element_type=jnp.float32
         )
         return constrain(logits_btv, ("batch", "length", "vocab"))
+
+
+def _scan_layers(layers, x_btd, positions_bt, *, in_order: bool, policy: str | None):
+    """The decoder layers as one `lax.scan` over their parameters stacked along a new axis.
+
+    The parameters stay stored per layer (checkpoints and the sampler see no difference); the
+    stacking is a copy inside the program (one more copy of the layers' parameters, sharded as
+    they are), and its transpose hands each layer its own gradient.
+    """
+    graphdef = nnx.graphdef(layers[0])
+    stacked = jax.tree.map(lambda *xs: jnp.stack(xs), *[nnx.state(layer) for layer in layers])
+
+    def body(x, state):
+        layer = nnx.merge(graphdef, state)
+        return layer(x, positions_bt, in_order=in_order)[0], None
+
+    if policy is not None:
+        body = jax.checkpoint(body, policy=getattr(jax.checkpoint_policies, policy))
+    x_btd, _ = jax.lax.scan(body, x_btd, stacked)
+    return x_btd
 
 
 def count_params(tree) -> int:

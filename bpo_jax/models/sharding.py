@@ -25,6 +25,7 @@ __all__ = [
     "DEFAULT_RULES",
     "MESH_AXES",
     "axis_rules",
+    "check_replication",
     "constrain",
     "current_rules",
     "logical_to_spec",
@@ -154,3 +155,65 @@ def _without(entry, axes):
 
 def named_sharding(mesh: Mesh, axes: Sequence[str | None], shape: Sequence[int]) -> NamedSharding:
     return NamedSharding(mesh, logical_to_spec(axes, shape, mesh))
+
+
+# Mesh axes a parameter may be split over. No rule maps one to `data` on purpose: parameters
+# are replicated over it so that each data-parallel replica samples on its own (axes.py).
+PARAM_MESH_AXES = ("fsdp", "tensor")
+
+
+def replicated_bytes(params) -> tuple[int, list[tuple[str, int]]]:
+    """Parameter bytes held by more devices than the mesh's parameter axes could split them over.
+
+    For a parameter split over mesh axes whose sizes multiply to `a`, on a mesh whose parameter
+    axes (`PARAM_MESH_AXES`) multiply to `m`, a device holds `bytes / a` where it could hold
+    `bytes / m`; the parameter's replicated bytes are `bytes * (1 - a / m)` (all of it for a
+    fully replicated parameter).
+
+    Args:
+      params: a tree of arrays or `jax.ShapeDtypeStruct`s with `NamedSharding`s.
+
+    Returns:
+      (total parameter bytes, [(parameter path, replicated bytes)] for each parameter that has any,
+      largest first).
+    """
+    total, worst = 0, []
+    for path, x in jax.tree_util.tree_leaves_with_path(params):
+        nbytes = math.prod(x.shape) * np.dtype(x.dtype).itemsize
+        total += nbytes
+        mesh, spec = x.sharding.mesh, x.sharding.spec
+        could = math.prod(mesh.shape[a] for a in PARAM_MESH_AXES if a in mesh.shape)
+        used = {a for entry in spec if entry is not None for a in _axes_of(entry)}
+        achieved = math.prod(mesh.shape[a] for a in used if a in PARAM_MESH_AXES)
+        excess = nbytes - nbytes * achieved // could
+        if excess:
+            worst.append((jax.tree_util.keystr(path), excess))
+    worst.sort(key=lambda item: -item[1])
+    return total, worst
+
+
+def check_replication(params, max_fraction: float = 0.01) -> None:
+    """Fails when more than `max_fraction` of the parameter bytes are needlessly replicated.
+
+    Call it once at start-up with the sharded parameters (or their abstract shapes), e.g.
+    `sharding.check_replication(params)` after `create_model(cfg, mesh=mesh, ...)`: a rules
+    table that leaves a large matrix unsplit on a mesh that could split it costs a chip its
+    whole copy, and shows up only as an out-of-memory hours later.
+
+    Raises:
+      ValueError: naming the parameters that hold the most replicated bytes and their specs.
+    """
+    total, worst = replicated_bytes(params)
+    replicated = sum(n for _, n in worst)
+    if total and replicated > max_fraction * total:
+        top = ", ".join(f"{name} ({n / 2**20:.1f} MiB)" for name, n in worst[:5])
+        raise ValueError(
+            f"{replicated / total:.1%} of the parameter bytes ({replicated / 2**30:.2f} GiB) are "
+            f"replicated over mesh axes {PARAM_MESH_AXES} that could split them (limit "
+            f"{max_fraction:.0%}); the largest: {top}. Map their logical axes to those mesh axes "
+            "in config.mesh.rules, or choose a mesh whose axis sizes divide their dimensions."
+        )
+
+
+def _axes_of(entry) -> tuple[str, ...]:
+    return (entry,) if isinstance(entry, str) else tuple(entry)

@@ -1,0 +1,396 @@
+r"""Compile-only proofs that an experiment's programs fit a TPU slice, from any machine.
+
+    python -m bpo_jax.compile --config=experiments/alfworld.py --topology=v5p-64 [--json=PATH]
+
+lowers and compiles, for the named slice, the three programs a run spends its memory in: the
+update step (`learner.make_train_step` with the clipped policy-gradient loss, at the config's
+`train.minibatch_size` rows of `agent.max_prompt_tokens + agent.max_action_tokens` tokens, with
+its microbatching, remat and logit chunking), and the sampler's prefill and decode (the real
+`bpo_jax.sampler.programs`, at the rollout batch of `train.tasks_per_iter x train.group_size`
+rows and a cache of the same length). Nothing is allocated: parameters, optimizer state, caches
+and batches are `jax.ShapeDtypeStruct`s with `NamedSharding`s on a mesh of libtpu's compile-only
+devices (`jax.experimental.topologies`), so a 7B model compiles for a 64-chip slice on a laptop.
+XLA's own memory and cost analyses of each compiled program give the per-chip bytes (against
+the chip's HBM), the FLOPs and bytes accessed, and a roofline time, max(FLOPs / peak, bytes /
+bandwidth). Needs `libtpu` (requirements-dev.txt); the JAX backend of the run itself stays CPU.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import re
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from bpo_jax import config as config_lib
+from bpo_jax import learner
+from bpo_jax.models import config as model_config
+from bpo_jax.models import factory, sharding
+from bpo_jax.models.llama import KVCache, cache_axes
+from bpo_jax.sampler import programs
+
+GiB = 1 << 30
+
+
+@dataclasses.dataclass(frozen=True)
+class Chip:
+    """One TPU generation as libtpu and gcloud name it, with the facts a roofline needs.
+
+    `cores_in_name`: TensorCores per chip counted by gcloud's accelerator-type suffix (v4 and
+    v5p count cores, so v5p-64 is 32 chips; v5e and v6e count chips).
+    """
+
+    libtpu_name: str
+    gcloud_prefix: str
+    cores_in_name: int
+    chip_config: str  # libtpu's chip config: one device per chip.
+    hbm_bytes: int
+    peak_bf16_flops: float
+    hbm_bytes_per_s: float
+    topologies: dict[int, str]  # chips -> libtpu topology
+
+
+_3D = {4: "2x2x1", 8: "2x2x2", 16: "2x2x4", 32: "2x4x4", 64: "4x4x4", 128: "4x4x8", 256: "4x8x8"}
+_2D = {1: "1x1", 4: "2x2", 8: "2x4", 16: "4x4", 32: "4x8", 64: "8x8", 128: "8x16", 256: "16x16"}
+
+# Chip facts from Google Cloud's TPU system-architecture pages (cloud.google.com/tpu/docs/v4,
+# /v5p, /v5e, /v6e), per chip: v4 32 GiB HBM2, 275 TFLOP/s bf16, 1,200 GB/s; v5p 95 GiB HBM2e,
+# 459 TFLOP/s bf16, 2,765 GB/s; v5e 16 GiB HBM2, 197 TFLOP/s bf16, 819 GB/s; v6e (Trillium)
+# 32 GiB HBM, 918 TFLOP/s bf16, 1,640 GB/s.
+CHIPS = {
+    "v4": Chip("v4", "v4", 2, "megacore", 32 * GiB, 275e12, 1200e9, _3D),
+    "v5p": Chip("v5p", "v5p", 2, "default", 95 * GiB, 459e12, 2765e9, _3D),
+    "v5e": Chip("v5e", "v5litepod", 1, "default", 16 * GiB, 197e12, 819e9, _2D),
+    "v6e": Chip("v6e", "v6e", 1, "default", 32 * GiB, 918e12, 1640e9, _2D),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Slice:
+    accelerator_type: str
+    chip: Chip
+    chips: int
+
+    @property
+    def topology_name(self) -> str:
+        return f"{self.chip.libtpu_name}:{self.chip.topologies[self.chips]}"
+
+
+def parse_topology(accelerator_type: str) -> Slice:
+    """A gcloud accelerator type (`v4-32`, `v5p-64`, `v5litepod-64`, `v6e-64`) as a `Slice`."""
+    m = re.fullmatch(r"(v4|v5p|v5litepod|v5e|v6e)-(\d+)", accelerator_type)
+    if m is None:
+        raise ValueError(
+            f"Unknown TPU accelerator type {accelerator_type!r}; expected gcloud's names, e.g. "
+            "v4-32, v5p-64, v5litepod-64 (v5e), v6e-64."
+        )
+    prefix, count = m.group(1), int(m.group(2))
+    chip = next(c for c in CHIPS.values() if prefix in (c.gcloud_prefix, c.libtpu_name))
+    if count % chip.cores_in_name or count // chip.cores_in_name not in chip.topologies:
+        sizes = sorted(n * chip.cores_in_name for n in chip.topologies)
+        raise ValueError(f"No {prefix} slice of size {count}; known sizes: {sizes}.")
+    return Slice(accelerator_type, chip, count // chip.cores_in_name)
+
+
+def topology_devices(s: Slice) -> list:
+    """libtpu's compile-only devices of the slice, one per chip."""
+    from jax.experimental import topologies
+
+    # Compile-only use touches no chip: several compiles (tests, sweeps) may load libtpu at
+    # once, which its single-user lockfile would otherwise refuse.
+    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+    bounds = (1, 1, 1) if s.chips < 4 else (2, 2, 1)
+    desc = topologies.get_topology_desc(
+        platform="tpu",
+        topology_name=s.topology_name,
+        chip_config_name=s.chip.chip_config,
+        chips_per_host_bounds=bounds,
+        num_slices=1,
+    )
+    devices = list(desc.devices)
+    if len(devices) != s.chips:
+        raise RuntimeError(
+            f"libtpu gave {len(devices)} devices for {s.topology_name}, not {s.chips}."
+        )
+    return devices
+
+
+# ----------------------------------------------------------------------------- abstract inputs
+
+
+def validate_for_compile(raw) -> config_lib.ExperimentConfig:
+    """`config.validate` for a compile-only run: no checkpoint is read, so none is required."""
+    raw = raw.to_dict() if hasattr(raw, "to_dict") else dict(raw)
+    model = dict(raw["model"])
+    if not model.get("hf_checkpoint"):
+        model["hf_checkpoint"] = "(compile-only: no weights are read)"
+    return config_lib.validate({**raw, "model": model})
+
+
+def model_config_of(cfg: config_lib.ExperimentConfig) -> model_config.ModelConfig:
+    """The architecture a run of `cfg` builds (a 7B/8B preset keeps its checkpoint's vocabulary)."""
+    m = cfg.model
+    overrides = dict(
+        max_seq_len=m.max_seq_len,
+        dtype=config_lib.DTYPES[m.dtype],
+        param_dtype=config_lib.DTYPES[m.param_dtype],
+    )
+    if m.preset == "tiny":
+        overrides["vocab_size"] = m.tokenizer_vocab_size
+    return model_config.get_preset(m.preset, **overrides)
+
+
+def _abstract(shape, dtype, mesh: Mesh, axes: Sequence[str | None]):
+    return jax.ShapeDtypeStruct(shape, dtype, sharding=sharding.named_sharding(mesh, axes, shape))
+
+
+def abstract_params(mcfg, mesh: Mesh):
+    """(graphdef, params as sharded `ShapeDtypeStruct`s, their shardings)."""
+    from flax import nnx
+
+    graphdef, state = nnx.split(factory.abstract_model(mcfg))
+    specs = factory.param_specs(state, mesh)
+    params = jax.tree.map(
+        lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), state, specs
+    )
+    return graphdef, params, specs
+
+
+def abstract_cache(mcfg, batch: int, capacity: int, mesh: Mesh) -> KVCache:
+    """A `KVCache` of `ShapeDtypeStruct`s laid out as `init_cache(..., mesh=mesh)` lays it out."""
+    k_shape = (batch, mcfg.num_kv_heads, mcfg.resolved_head_dim, capacity)
+    v_shape = (batch, mcfg.num_kv_heads, capacity, mcfg.resolved_head_dim)
+    k_axes, v_axes = cache_axes()
+    layers = range(mcfg.num_layers)
+    return KVCache(
+        k=tuple(_abstract(k_shape, mcfg.dtype, mesh, k_axes) for _ in layers),
+        v=tuple(_abstract(v_shape, mcfg.dtype, mesh, v_axes) for _ in layers),
+        lengths=_abstract((batch,), jnp.int32, mesh, ("batch",)),
+    )
+
+
+def _replicated(x, mesh: Mesh):
+    return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(mesh, PartitionSpec()))
+
+
+# ----------------------------------------------------------------------------- the programs
+
+
+def lower_update(cfg, mcfg, mesh: Mesh, length: int | None = None):
+    """The RL update step at the config's minibatch, lowered (not compiled).
+
+    `length` overrides the batch's sequence length (default: `update_length(cfg)`).
+    """
+    t = cfg.train
+    graphdef, params, specs = abstract_params(mcfg, mesh)
+    updater = learner.RLUpdater(graphdef, cfg, 0, lambda *_: None, params=params)
+    optimizer = updater.optimizer
+    state_sh = learner.state_shardings(optimizer, params, specs)
+    abstract_opt = jax.eval_shape(optimizer.init, params)
+    opt_state = jax.tree.map(
+        lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+        abstract_opt,
+        state_sh.opt_state,
+    )
+    step = _replicated(jax.ShapeDtypeStruct((), jnp.int32), mesh)
+    state = learner.TrainState(params=params, opt_state=opt_state, step=step)
+    length = update_length(cfg) if length is None else length
+    rows = t.minibatch_size
+
+    def per_token(dtype):
+        return _abstract((rows, length), dtype, mesh, ("batch", "length"))
+
+    batch = learner.Batch(
+        tokens=per_token(jnp.int32),
+        loss_mask=per_token(jnp.float32),
+        advantages=per_token(jnp.float32),
+        old_logprobs=per_token(jnp.float32),
+        weights=_abstract((rows,), jnp.float32, mesh, ("batch",)),
+    )
+    extra = (per_token(jnp.float32),) if t.kl_coef > 0 else ()
+    return updater.step_fn.lower(state, batch, *extra)
+
+
+def update_length(cfg) -> int:
+    """The longest update sequence: a full prompt and action, rounded up to the length bucket."""
+    a = cfg.agent
+    return learner.round_up(a.max_prompt_tokens + a.max_action_tokens, cfg.sampler.length_bucket)
+
+
+def lower_sampler(cfg, mcfg, mesh: Mesh):
+    """The sampler's (prefill, decode) at the rollout batch, lowered (not compiled)."""
+    graphdef, params, _ = abstract_params(mcfg, mesh)
+    rows = cfg.train.tasks_per_iter * cfg.train.group_size
+    capacity = cfg.agent.max_prompt_tokens + cfg.agent.max_action_tokens
+    cache = abstract_cache(mcfg, rows, capacity, mesh)
+    row_mesh = mesh if rows % mesh.shape["data"] == 0 and mesh.shape["data"] > 1 else None
+    last = _abstract((rows, mcfg.vocab_size), jnp.float32, mesh, ("batch", "vocab"))
+    prompt = learner.round_up(cfg.agent.max_prompt_tokens, cfg.sampler.length_bucket)
+    tokens = _abstract((rows, prompt), jnp.int32, mesh, ("batch", "length"))
+    num_new = _abstract((rows,), jnp.int32, mesh, ("batch",))
+    prefill = programs.prefill_program(graphdef, row_mesh, donate=True)
+    prefill_lowered = prefill.lower(params, cache, last, tokens, num_new)
+    decode = programs.generate_program(graphdef, row_mesh, eos_ids=(0,), pad_id=0, donate=True)
+    key = _replicated(jax.eval_shape(lambda: jax.random.key(0)), mesh)
+    scalar = _replicated(jax.ShapeDtypeStruct((), jnp.float32), mesh)
+    decode_lowered = decode.lower(
+        params,
+        cache,
+        last,
+        key,
+        scalar,
+        scalar,
+        num_new=cfg.agent.max_action_tokens,
+        greedy=False,
+        nucleus=cfg.sampler.top_p < 1.0,
+    )
+    return prefill_lowered, decode_lowered
+
+
+def model_flops(cfg, mcfg, program: str, chips: int) -> float:
+    """Per-chip FLOPs of a program from the architecture (matmuls and attention).
+
+    XLA's cost analysis counts a loop's body once (the layer scan, the microbatch scan, the
+    LM-head chunks, the decode loop), so for programs with loops its FLOPs are a lower bound;
+    the roofline takes the larger of the two. Update: forward, backward (twice the forward) and,
+    with `remat="full"`, the layers' forward once more; attention is causal (half the [T, T]
+    products). Prefill: T tokens per row attending over the cache. Decode: `max_action_tokens`
+    steps, each one token per row over the full cache.
+    """
+    d, e, v = mcfg.hidden_size, mcfg.resolved_head_dim, mcfg.vocab_size
+    h, k, f, n = mcfg.num_heads, mcfg.num_kv_heads, mcfg.intermediate_size, mcfg.num_layers
+    layer_params = n * (d * (h + 2 * k) * e + h * e * d + 3 * d * f)  # all layers
+    rows_rollout = cfg.train.tasks_per_iter * cfg.train.group_size
+    capacity = cfg.agent.max_prompt_tokens + cfg.agent.max_action_tokens
+    if program == "update":
+        rows, t = cfg.train.minibatch_size, update_length(cfg)
+        layers = 2 * layer_params * rows * t + n * 4 * h * e * rows * t * t / 2
+        head = 2 * d * v * rows * t
+        recompute = layers + head if cfg.model.remat == "full" else head
+        total = 3 * (layers + head) + recompute
+    elif program == "prefill":
+        t = learner.round_up(cfg.agent.max_prompt_tokens, cfg.sampler.length_bucket)
+        rows = rows_rollout
+        total = 2 * layer_params * rows * t + n * 4 * h * e * rows * t * capacity + 2 * d * v * rows
+    elif program == "decode":
+        rows = rows_rollout
+        step = 2 * layer_params * rows + n * 4 * h * e * rows * capacity + 2 * d * v * rows
+        total = step * cfg.agent.max_action_tokens
+    else:
+        raise ValueError(f"Unknown program {program!r}.")
+    return float(total) / chips
+
+
+def analyse(compiled, s: Slice, analytic_flops: float, loop_trips: int = 1) -> dict:
+    """Per-chip bytes, FLOPs and roofline seconds of a compiled program.
+
+    Args:
+      compiled: the compiled program.
+      s: the slice.
+      analytic_flops: `model_flops` of the program.
+      loop_trips: how many times the program's main loop runs, which XLA's per-iteration
+        counts are multiplied by (decode: its steps).
+    """
+    mem = compiled.memory_analysis()
+    cost = compiled.cost_analysis()
+    cost = cost[0] if isinstance(cost, list | tuple) else cost
+    argument = int(mem.argument_size_in_bytes)
+    temp = int(mem.temp_size_in_bytes)
+    # Donated arguments alias their outputs: an updated state occupies the input's buffers.
+    total = argument + int(mem.output_size_in_bytes) - int(mem.alias_size_in_bytes) + temp
+    total += int(mem.generated_code_size_in_bytes)
+    flops = float(cost.get("flops", 0.0))
+    accessed = float(cost.get("bytes accessed", 0.0))
+    compute = max(flops * loop_trips, analytic_flops) / s.chip.peak_bf16_flops
+    memory = accessed * loop_trips / s.chip.hbm_bytes_per_s
+    return {
+        "argument_bytes": argument,
+        "temp_bytes": temp,
+        "total_bytes": total,
+        "fits": total <= s.chip.hbm_bytes,
+        "flops": flops,
+        "model_flops": analytic_flops,
+        "bytes_accessed": accessed,
+        "roofline_seconds": max(compute, memory),
+    }
+
+
+def compile_report(
+    cfg, accelerator_type: str, programs_: Sequence[str] = ("update", "prefill", "decode")
+) -> dict:
+    """Compiles the named programs of `cfg` for the slice; returns the JSON report."""
+    s = parse_topology(accelerator_type)
+    devices = topology_devices(s)
+    mesh = sharding.make_mesh(cfg.mesh.axes, devices=devices)
+    mcfg = model_config_of(cfg)
+    # The start-up check a run makes: no large parameter left unsplit on this mesh.
+    sharding.check_replication(abstract_params(mcfg, mesh)[1])
+    out = {}
+    with jax.set_mesh(mesh), sharding.axis_rules(cfg.mesh.rules):
+        lowered = {}
+        if "update" in programs_:
+            lowered["update"] = lower_update(cfg, mcfg, mesh)
+        if "prefill" in programs_ or "decode" in programs_:
+            prefill, decode = lower_sampler(cfg, mcfg, mesh)
+            lowered.update({"prefill": prefill, "decode": decode})
+        for name in programs_:
+            trips = cfg.agent.max_action_tokens if name == "decode" else 1
+            flops = model_flops(cfg, mcfg, name, s.chips)
+            out[name] = analyse(lowered[name].compile(), s, flops, trips)
+    return {
+        "topology": accelerator_type,
+        "chips": s.chips,
+        "hbm_bytes_per_chip": s.chip.hbm_bytes,
+        "mesh": dict(mesh.shape),
+        "programs": out,
+    }
+
+
+def format_report(report: dict) -> str:
+    hbm = report["hbm_bytes_per_chip"]
+    lines = [
+        f"{report['topology']}: {report['chips']} chips, {hbm / GiB:.1f} GiB HBM per chip, "
+        f"mesh {report['mesh']}",
+        f"{'program':<8} {'args GiB':>9} {'temp GiB':>9} {'total GiB':>10} {'fits':>5} "
+        f"{'TFLOP':>9} {'model TFLOP':>12} {'GB accessed':>12} {'roofline s':>11}",
+    ]
+    for name, p in report["programs"].items():
+        lines.append(
+            f"{name:<8} {p['argument_bytes'] / GiB:>9.2f} {p['temp_bytes'] / GiB:>9.2f} "
+            f"{p['total_bytes'] / GiB:>10.2f} {'yes' if p['fits'] else 'NO':>5} "
+            f"{p['flops'] / 1e12:>9.2f} {p['model_flops'] / 1e12:>12.2f} "
+            f"{p['bytes_accessed'] / 1e9:>12.2f} "
+            f"{p['roofline_seconds']:>11.4f}"
+        )
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    from absl import flags
+    from ml_collections import config_flags
+
+    flags_ = flags.FlagValues()
+    config_flags.DEFINE_config_file("config", None, "Experiment config file.", flag_values=flags_)
+    flags.DEFINE_string("topology", "v5p-64", "gcloud accelerator type.", flag_values=flags_)
+    flags.DEFINE_string("json", None, "Write the report as JSON here.", flag_values=flags_)
+    flags.DEFINE_list(
+        "programs", ["update", "prefill", "decode"], "Programs to compile.", flag_values=flags_
+    )
+    flags_(list(sys.argv if argv is None else argv))
+    cfg = validate_for_compile(flags_.config)
+    report = compile_report(cfg, flags_.topology, flags_.programs)
+    print(format_report(report))
+    if flags_.json:
+        Path(flags_.json).write_text(json.dumps(report, indent=2))
+    return 0 if all(p["fits"] for p in report["programs"].values()) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -127,6 +127,9 @@ def open_run(cfg: ExperimentConfig, workdir: Path, raw_config=None):
             mcfg, model = build_model(cfg, tokenizer, mesh)
             graphdef, params = nnx.split(model)
             del model
+            # Fails the run, naming the parameter, when a mesh that could shard the parameters
+            # would replicate more than 1% of their bytes.
+            sharding.check_replication(params)
             run = Run(
                 cfg=cfg,
                 workdir=workdir,
@@ -137,7 +140,9 @@ def open_run(cfg: ExperimentConfig, workdir: Path, raw_config=None):
                 tokenizer=tokenizer,
                 graphdef=graphdef,
                 policy=make_policy(cfg, graphdef, params, tokenizer, mcfg, mesh),
-                updater=learner.RLUpdater(graphdef, cfg, tokenizer.pad_id, writer.write),
+                updater=learner.RLUpdater(
+                    graphdef, cfg, tokenizer.pad_id, writer.write, params=params
+                ),
                 writer=writer,
                 ckpt=ckpt,
                 evals=EvalLog(
@@ -261,7 +266,14 @@ def _clone(run: Run, state: RunState, examples) -> RunState:
     """BC steps from `meta['bc_step']` to `bc.steps`, checkpointed four times on the way."""
     cfg = run.cfg
     optimizer = learner.make_optimizer(cfg.bc.lr, 0.0, 0.9, 0.999, 1.0)
-    step_fn = learner.make_train_step(run.graphdef, optimizer, learner.bc_loss)
+    step_fn = learner.make_train_step(
+        run.graphdef,
+        optimizer,
+        learner.bc_loss,
+        remat=cfg.model.remat,
+        logits_chunk=cfg.train.logits_chunk,
+        scan_layers=cfg.model.scan_layers,
+    )
     bc_step = state.meta["bc_step"]
     rng = np.random.default_rng([cfg.seed, bc_step])
     bar = progress(cfg.bc.steps, desc="behaviour cloning", unit="step", initial=bc_step)

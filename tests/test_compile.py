@@ -73,6 +73,7 @@ def test_compile_tool_on_a_small_topology_writes_the_report(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.full_compile  # Deselected by default (pyproject addopts): -m full_compile runs it.
 @pytest.mark.parametrize("topology", ["v5p-64", "v5litepod-64"])
 @pytest.mark.parametrize("model", ["qwen2_5_7b", "llama3_1_8b"])
 @pytest.mark.parametrize("experiment", ["alfworld", "webshop", "swebench"])

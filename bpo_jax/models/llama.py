@@ -8,6 +8,9 @@ projections, `gate_up_proj` the gate and up projections (`hf_import` splits and 
 Every parameter carries `logical_axes` metadata; `bpo_jax.models.sharding` turns those into mesh
 shardings.
 
+The KV cache is `bpo_jax.models.kv_cache`, rotary embeddings `bpo_jax.models.rope` (both
+re-exported here).
+
 Shape suffixes: B batch, T new tokens, S cache length, D model width, H query heads,
 K key/value heads, G = H / K query heads per KV head, E head dim, F MLP width, V vocabulary.
 """
@@ -15,24 +18,18 @@ K key/value heads, G = H / K query heads per KV head, E head dim, F MLP width, V
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
 
-import flax.struct
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jax.sharding import Mesh
 
 from bpo_jax.models.config import ModelConfig
-from bpo_jax.models.sharding import constrain, named_sharding
+from bpo_jax.models.kv_cache import _KEY_AXES, _Q_AXES, _VALUE_AXES, KVCache, cache_axes, init_cache  # noqa: F401  (re-exported)
+from bpo_jax.models.rope import apply_rope, rope_frequencies
+from bpo_jax.models.sharding import constrain
 
 _NEG_INF = -0.7 * float(np.finfo(np.float32).max)
-# Logical axes of the head-major queries [B, K, G, T, E], keys [B, K, E, S] and values
-# [B, K, S, E] of attention (and of the cache).
-_Q_AXES = ("batch", "kv_heads", None, "length", None)
-_KEY_AXES = ("batch", "kv_heads", None, "length")
-_VALUE_AXES = ("batch", "kv_heads", "length", None)
 # Causal attention without a cache runs over query blocks (see `_causal_blocks`). 64 was the
 # fastest of 32 / 64 / 128 for a tiny() train step at T = 255 on CPU.
 _MIN_QUERY_BLOCK = 64
@@ -78,157 +75,6 @@ def _param(rngs: nnx.Rngs, shape, axes, dtype, init: str = "normal", fused=None)
     else:
         raise ValueError(f"Unknown initialiser {init!r}.")
     return nnx.Param(value.astype(dtype), logical_axes=tuple(axes))
-
-
-# ----------------------------------------------------------------------------- KV cache
-
-
-@flax.struct.dataclass
-class KVCache:
-    """Keys and values of every layer for a batch of sequences.
-
-    Row b holds `lengths[b]` valid positions; new tokens of row b are written from position
-    `lengths[b]` on, so rows of a batch may be at different lengths (multi-turn appends).
-
-    One buffer per layer, not one stacked [L, ...] array: a call of `Transformer` then replaces
-    each layer's buffer by its updated version, which XLA does in place (stacking the layers
-    back into one array copied the whole cache on every decode step). Within a layer the layout
-    is head-major, keys transposed ([B, K, E, S]) and values not ([B, K, S, E]): each is then
-    the right-hand operand of its attention product exactly as the CPU matmul kernels read it
-    (see `Attention`), so XLA never transposes or repacks the cache.
-
-    Attributes:
-      k: L keys [B, K, E, S], one per layer.
-      v: L values [B, K, S, E], one per layer.
-      lengths: [B] int32, number of valid positions per row.
-    """
-
-    k: tuple[jax.Array, ...]
-    v: tuple[jax.Array, ...]
-    lengths: jax.Array
-
-    @property
-    def capacity(self) -> int:
-        return self.v[0].shape[2]
-
-    @property
-    def batch_size(self) -> int:
-        return self.lengths.shape[0]
-
-    @property
-    def num_layers(self) -> int:
-        return len(self.k)
-
-    def take(self, rows: jax.Array) -> KVCache:
-        """Gathers (and so may duplicate) rows: row i of the result is row `rows[i]` of self."""
-        rows = jnp.asarray(rows, jnp.int32)
-        return KVCache(
-            k=tuple(jnp.take(k, rows, axis=0) for k in self.k),
-            v=tuple(jnp.take(v, rows, axis=0) for v in self.v),
-            lengths=jnp.take(self.lengths, rows, axis=0),
-        )
-
-    @staticmethod
-    def concatenate(caches: Sequence[KVCache]) -> KVCache:
-        """Stacks the rows of caches of equal capacity and depth into one batch, in order."""
-        if not caches:
-            raise ValueError("KVCache.concatenate needs at least one cache.")
-        shapes = {(c.num_layers, c.capacity) for c in caches}
-        if len(shapes) != 1:
-            raise ValueError(
-                "Cannot concatenate caches of different capacities or layer counts "
-                f"{sorted(shapes)} (layers, capacity); allocate them with the same "
-                "init_cache(cfg, ..., capacity=...)."
-            )
-        layers = range(caches[0].num_layers)
-        return KVCache(
-            k=tuple(jnp.concatenate([c.k[i] for c in caches]) for i in layers),
-            v=tuple(jnp.concatenate([c.v[i] for c in caches]) for i in layers),
-            lengths=jnp.concatenate([c.lengths for c in caches]),
-        )
-
-
-def cache_axes() -> tuple[tuple[str | None, ...], tuple[str | None, ...]]:
-    """Logical axes of one layer's (keys [B, K, E, S], values [B, K, S, E]) cache buffers."""
-    return _KEY_AXES, _VALUE_AXES
-
-
-def init_cache(
-    cfg: ModelConfig,
-    batch_size: int,
-    capacity: int | None = None,
-    dtype=None,
-    *,
-    mesh: Mesh | None = None,
-) -> KVCache:
-    """An empty cache for `batch_size` rows of up to `capacity` (default max_seq_len) positions.
-
-    With a `mesh`, rows are split over the mesh axes of the logical "batch" axis (those that
-    divide `batch_size`) and KV heads over those of "kv_heads", as the model's activations are;
-    `Sampler` then decodes each data-parallel replica's rows on their own.
-    """
-    capacity = cfg.max_seq_len if capacity is None else capacity
-    k_shape = (batch_size, cfg.num_kv_heads, cfg.resolved_head_dim, capacity)
-    v_shape = (batch_size, cfg.num_kv_heads, capacity, cfg.resolved_head_dim)
-    dtype = cfg.dtype if dtype is None else dtype
-
-    def zeros(shape, axes, dtype):
-        where = None if mesh is None else named_sharding(mesh, axes, shape)
-        return jnp.zeros(shape, dtype, device=where)
-
-    # Distinct buffers per layer (not one array repeated), so each can be donated and updated.
-    return KVCache(
-        k=tuple(zeros(k_shape, _KEY_AXES, dtype) for _ in range(cfg.num_layers)),
-        v=tuple(zeros(v_shape, _VALUE_AXES, dtype) for _ in range(cfg.num_layers)),
-        lengths=zeros((batch_size,), ("batch",), jnp.int32),
-    )
-
-
-# ----------------------------------------------------------------------------- RoPE
-
-
-def rope_frequencies(cfg: ModelConfig) -> np.ndarray:
-    """Inverse frequencies [E/2] of the rotary embedding, with Llama-3.1 scaling if configured."""
-    dim = cfg.resolved_head_dim
-    inv_freq = 1.0 / (cfg.rope_theta ** (np.arange(0, dim, 2, dtype=np.float64) / dim))
-    s = cfg.rope_scaling
-    if s is None:
-        return inv_freq.astype(np.float32)
-    # Long wavelengths (beyond the original context) are slowed by `factor`, short ones kept, and
-    # the band in between interpolated smoothly (Llama 3.1 paper, "rope_type": "llama3").
-    wavelen = 2 * math.pi / inv_freq
-    low_freq_wavelen = s.original_max_position_embeddings / s.low_freq_factor
-    high_freq_wavelen = s.original_max_position_embeddings / s.high_freq_factor
-    scaled = np.where(wavelen > low_freq_wavelen, inv_freq / s.factor, inv_freq)
-    smooth = (s.original_max_position_embeddings / wavelen - s.low_freq_factor) / (
-        s.high_freq_factor - s.low_freq_factor
-    )
-    smoothed = (1 - smooth) * scaled / s.factor + smooth * scaled
-    medium = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
-    return np.where(medium, smoothed, scaled).astype(np.float32)
-
-
-def apply_rope(
-    x_bte: jax.Array, positions_bt: jax.Array, inv_freq: np.ndarray, scale: float = 1.0
-) -> jax.Array:
-    """Rotates pairs (i, i + E/2) of x by position * frequency (the rotate-half convention).
-
-    Args:
-      x_bte: [B, T, ..., E] queries or keys (any number of head axes between T and E).
-      positions_bt: [B, T] absolute positions.
-      inv_freq: [E/2] inverse frequencies (`rope_frequencies`).
-      scale: multiplies the result (in float32, before casting back to x's dtype).
-    """
-    b, t = positions_bt.shape
-    angles_bte = positions_bt[..., None].astype(jnp.float32) * jnp.asarray(inv_freq)
-    angles = angles_bte.reshape((b, t) + (1,) * (x_bte.ndim - 3) + (angles_bte.shape[-1],))
-    cos, sin = jnp.cos(angles), jnp.sin(angles)
-    x = x_bte.astype(jnp.float32)
-    x1, x2 = jnp.split(x, 2, axis=-1)
-    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
-    if scale != 1.0:
-        out = out * scale
-    return out.astype(x_bte.dtype)
 
 
 # ----------------------------------------------------------------------------- modules

@@ -1,0 +1,50 @@
+"""The learner: losses, the jitted update step, and its host side.
+
+Everything here is a pure function of arrays. A batch is a set of right-padded token
+sequences (prompt + action) with a mask on the action tokens: the only tokens that are trained.
+
+Shape suffixes: B sequences, L sequence length.
+
+Modules, one role each: `batch` (padded batches), `losses` (log-probs, BC and PG losses),
+`step` (train state, optimizer, the jitted update), `host` (examples, minibatches, `RLUpdater`).
+"""
+
+from bpo_jax.learner.batch import Batch, pad_batch
+from bpo_jax.learner.host import Example, RLUpdater, minibatches, round_up
+from bpo_jax.learner.losses import (
+    LOSS_AGGS,
+    bc_loss,
+    chunked_token_logprobs,
+    loss_denominator,
+    pg_loss,
+    token_logprobs,
+)
+from bpo_jax.learner.step import (
+    TrainState,
+    make_logprob_fn,
+    make_model_fn,
+    make_optimizer,
+    make_train_step,
+    state_shardings,
+)
+
+__all__ = [
+    "LOSS_AGGS",
+    "Batch",
+    "Example",
+    "RLUpdater",
+    "TrainState",
+    "bc_loss",
+    "chunked_token_logprobs",
+    "loss_denominator",
+    "make_logprob_fn",
+    "make_model_fn",
+    "make_optimizer",
+    "make_train_step",
+    "minibatches",
+    "pad_batch",
+    "pg_loss",
+    "round_up",
+    "state_shardings",
+    "token_logprobs",
+]

@@ -9,10 +9,11 @@ Budget rule. The task's committed spend is what it has spent plus the expected r
 of its live paths; a candidate branch adds the expected cost of its K - 1 new children.
   cap     accept only while committed + extra <= budget (the budget is never exceeded in
           expectation, and so is under-spent: trees ended at 0.81 of it on ALFWorld);
-  target  accept when it fits; the first time in a batch that a task's candidate only partly
-          fits (slack = budget - committed, 0 < slack < extra), accept it with probability
-          slack / extra and take no further branch for that task after (randomised rounding
-          of the last branch, the default): the expected committed spend is then the budget.
+  target  accept when it fits; when a candidate only partly fits (slack = budget - committed,
+          0 < slack < extra), accept it with probability slack / extra (randomised rounding,
+          the default), so the expected committed spend is the budget. A lost coin books the
+          slack it stood for as the task's debt, so the same slack is not offered again; only
+          what later paths save against their expected cost can be spent after it.
 The coin is the planner's own and every input is known at step t, so whether a node branches
 never depends on its children's outcomes. Candidates of one turn are served in order of their
 rule's score. Across batches `RolloutState.adapt` moves the rule's rate (the entropy quantile,
@@ -54,7 +55,7 @@ class BranchPlanner:
         self.spent = np.zeros((num_tasks,), np.float64)
         self.branches_left: list[int] = []  # Per backbone.
         self.rng = np.random.default_rng(seed)
-        self.rounded = np.zeros((num_tasks,), bool)  # `target`: the task's coin was flipped.
+        self.debt = np.zeros((num_tasks,), np.float64)  # `target`: slack of lost coins.
 
     @property
     def online(self) -> bool:
@@ -82,7 +83,7 @@ class BranchPlanner:
         task not closed by the budget (a probe costs tokens: no probes where nothing fits)."""
         if p.depth >= self.spec.max_depth or self.branches_left[p.backbone] <= 0:
             return False
-        return not self.rounded[p.task] and self.spent[p.task] < self.spec.budget
+        return self.spent[p.task] + self.debt[p.task] < self.spec.budget
 
     def _committed(self, live: list[LivePath]) -> np.ndarray:
         """Per task: what it spent, plus what its live paths are expected to spend from their
@@ -99,7 +100,10 @@ class BranchPlanner:
         cost = probes * self.costs.of_steps(1)
         out = []
         for i, p in enumerate(live):
-            if self.eligible(p) and committed[p.task] + cost <= self.spec.budget:
+            if (
+                self.eligible(p)
+                and committed[p.task] + self.debt[p.task] + cost <= self.spec.budget
+            ):
                 committed[p.task] += cost
                 out.append(i)
         return out
@@ -130,15 +134,15 @@ class BranchPlanner:
         return chosen
 
     def _accept(self, task: int, committed: float, extra: float) -> bool:
-        if self.rounded[task]:
-            return False
-        slack = self.spec.budget - committed
+        slack = self.spec.budget - committed - self.debt[task]
         if extra <= slack:
             return True
         if self.spec.budget_mode != "target" or slack <= 0 or not math.isfinite(slack):
             return False
-        self.rounded[task] = True
-        return bool(self.rng.random() < slack / extra)
+        if self.rng.random() < slack / extra:
+            return True
+        self.debt[task] += slack
+        return False
 
     def refund(self, path: LivePath) -> None:
         self.branches_left[path.backbone] += 1

@@ -303,7 +303,12 @@ def test_gradient_probe_reports_matched_compute_variances(pool, walker):
 
     policy = walker
     tasks = [CounterTask(task_id=f"walk-{i}", start=0, target=2) for i in range(2)]
-    cfg = validate(tiny_cpu_config(**{"env.max_steps": MAX_STEPS, "train.minibatch_size": 16}))
+    # GRPO's group of 4 sets the budget; BPO's 2 backbones leave room for branches.
+    cfg = validate(
+        tiny_cpu_config(
+            **{"env.max_steps": MAX_STEPS, "train.minibatch_size": 16, "train.group_size": 4}
+        )
+    )
     cfg = dataclasses.replace(
         cfg,
         rollout=dataclasses.replace(cfg.rollout, selector="interval", interval=1),

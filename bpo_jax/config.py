@@ -262,6 +262,7 @@ class RolloutSpec(_Spec):
     branch_prob: float = unit_interval()
     interval: int = at_least(1)
     probe_samples: int = at_least(2)  # selector=action_samples: extra actions drawn at h_t.
+    probe_share: float = check(lambda v: 0 < v <= 1, "must be in (0, 1]")  # Of a task's slack.
     budget: float = check(lambda v: v >= 0, "must be >= 0 (0 = auto)")
     budget_unit: str = one_of(lambda: BUDGET_UNITS)
     # budget=0: task (group_size episodes of each task, measured on its own backbones as they

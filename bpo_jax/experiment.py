@@ -185,6 +185,10 @@ def base_config(
     # selector=action_samples: extra actions sampled at h_t (their tokens count in the budget);
     # a step is a candidate where their parsed actions disagree.
     c.rollout.probe_samples = 4
+    # selector=action_samples: the share of a task's slack (budget - committed) its probes may
+    # spend; each eligible step probes with the probability that spreads it over the task's
+    # expected remaining steps (1: probe every step the slack pays for, leaving little to branch).
+    c.rollout.probe_share = 0.5
     # Per-task compute budget of the tree algorithms; 0 = auto: `group_size` times the measured
     # cost of an independent episode at the current parameters (the mean over recent backbone
     # episodes: a backbone's own path from the reset is one), so BPO spends what the baselines

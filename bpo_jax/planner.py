@@ -128,16 +128,36 @@ class BranchPlanner:
         return committed
 
     def probe_candidates(self, live: list[LivePath], probes: int) -> list[int]:
-        """Paths that may spend `probes` extra actions on scoring this step (`action_samples`):
-        eligible ones whose task can pay for the probes within its budget, served in order."""
-        committed = self._committed(live)
+        """Paths that draw `probes` extra actions to score this step (`action_samples`).
+
+        A task's probes may spend `spec.probe_share` of its slack (budget - committed), the rest
+        is left for the branches they find: each eligible path of the task probes with
+        probability q = share * slack / (cost of a probe * O), O the expected remaining steps of
+        the task's eligible paths, so the task's expected probe spend over the rest of the batch
+        is about share * slack whatever its length. Probing every eligible step would spend
+        every probe's cost at every step (at K0 = 3 with N = 4 the one-episode slack went to
+        probes: 0 and 2 branch points in two ALFWorld batches). The coin is the planner's own
+        and q is known at step t: where a path probes never depends on its future.
+        """
+        committed = self._committed(live) + self.debt
         budgets = self.task_budgets()
         cost = probes * self.costs.of_steps(1)
+        eligible = [i for i, p in enumerate(live) if self.eligible(p)]
+        steps_left = np.zeros_like(committed)
+        for i in eligible:
+            steps_left[live[i].task] += self.lengths.remaining(live[i].t)
         out = []
-        for i, p in enumerate(live):
-            if self.eligible(p) and committed[p.task] + self.debt[p.task] + cost <= budgets[p.task]:
-                committed[p.task] += cost
-                out.append(i)
+        for i in eligible:
+            task = live[i].task
+            slack = budgets[task] - committed[task]
+            if cost >= slack:  # Probes would leave nothing to branch with.
+                continue
+            if math.isfinite(slack) and self.spec.probe_share < 1.0:
+                rate = self.spec.probe_share * slack / (cost * max(steps_left[task], 1.0))
+                if self.rng.random() >= rate:
+                    continue
+            committed[task] += cost
+            out.append(i)
         return out
 
     def choose(self, live: list[LivePath], entropies: np.ndarray) -> list[int]:

@@ -138,6 +138,7 @@ def tree_spec(cfg: ExperimentConfig, state: RolloutState) -> TreeSpec:
         entropy_reduce=r.entropy_reduce,
         branch_schedule=r.branch_schedule,
         branch_scale=state.branch_scale,
+        probe_share=r.probe_share,
     )
 
 

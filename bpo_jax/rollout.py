@@ -82,6 +82,8 @@ class TreeSpec:
       branch_schedule: "threshold" (the rule's own test) or "spread" (each backbone's branch
         points spread over its expected remaining steps); see `bpo_jax.planner`.
       branch_scale: `spread`'s rate multiplier (adapted across batches to spend the budget).
+      probe_share: `action_samples`: the fraction of a task's slack its probes may spend
+        (1 = probe every eligible step that the slack can pay for); see `bpo_jax.planner`.
     """
 
     root_group: int
@@ -95,6 +97,7 @@ class TreeSpec:
     entropy_reduce: str = "first"
     branch_schedule: str = "threshold"
     branch_scale: float = 1.0
+    probe_share: float = 1.0
 
     def __post_init__(self):
         if self.root_group < 1:
@@ -105,6 +108,8 @@ class TreeSpec:
             raise ValueError(f"budget_unit must be one of {BUDGET_UNITS}, got {self.budget_unit}.")
         if self.budget_mode not in BUDGET_MODES:
             raise ValueError(f"budget_mode must be one of {BUDGET_MODES}, got {self.budget_mode}.")
+        if not 0.0 < self.probe_share <= 1.0:
+            raise ValueError(f"probe_share must be in (0, 1], got {self.probe_share}.")
         if self.branch_schedule not in BRANCH_SCHEDULES:
             raise ValueError(
                 f"branch_schedule must be one of {BRANCH_SCHEDULES}, got {self.branch_schedule}."

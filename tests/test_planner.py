@@ -103,6 +103,61 @@ def test_target_budget_keeps_the_gradient_exact():
     assert_matches_exact(grads, exact)
 
 
+def probe_planner(share, seed):
+    """One task, three backbones at t = 0 of 4-step episodes (12 committed) and a budget of 16."""
+    spec = TreeSpec(root_group=3, branch_budget=1, budget=16.0, probe_share=share)
+    lengths = LengthModel(4)
+    for _ in range(8):
+        lengths.add(4)
+    p = BranchPlanner(spec, None, lengths, CostModel("env_steps"), num_tasks=1, seed=seed)
+    builder = ForestBuilder(1)
+    live = [builder.start_path(0) for _ in range(3)]
+    for path in live:
+        p.add_backbone(path)
+    return p, live
+
+
+def test_probes_spend_their_share_of_the_slack():
+    # share 1: probes wherever the slack (4) pays for them (2 each) and leaves some: one path.
+    p, live = probe_planner(1.0, 0)
+    assert p.probe_candidates(live, probes=2) == [0]
+    # share 1/2: each path probes with probability 1/2 * slack / (2 * 12 steps left): the task's
+    # expected probe spend over its remaining steps is half its slack.
+    counts = []
+    for seed in range(4000):
+        p, live = probe_planner(0.5, seed)
+        counts.append(len(p.probe_candidates(live, probes=2)))
+    q = 0.5 * 4 / (2 * 12)  # Until one path probes; after it the slack (2) pays for none.
+    expected = 1 - (1 - q) ** 3
+    assert set(counts) == {0, 1}
+    assert abs(np.mean(counts) - expected) < 4 * np.sqrt(expected * (1 - expected) / len(counts))
+    with pytest.raises(ValueError, match="probe_share"):
+        TreeSpec(root_group=3, probe_share=0.0)
+
+
+def test_probe_share_keeps_the_gradient_exact_and_branches_more_at_matched_spend():
+    """K0 = 3 against a budget of 4 episodes leaves one episode of slack: probing every step
+    spends it on probes; probing half of it leaves more for branches. Both stay unbiased."""
+    points = {}
+    for share in (1.0, 0.5):
+        spec = TreeSpec(
+            root_group=3,
+            num_branches=2,
+            branch_budget=2,
+            max_depth=2,
+            budget_episodes=4.0,
+            budget_unit="env_steps",
+            probe_share=share,
+        )
+        selector = make_selector("action_samples", probes=2)
+        grads, exact, forest = sampled_gradients("generic", selector, spec, 3000, seed=6)
+        assert forest.spend_ratio.mean() <= 1.05
+        points[share] = (forest.num_branch_points, forest.stats.probe_tokens)
+        assert_matches_exact(grads, exact, resolves=False)
+    assert points[0.5][1] < 0.9 * points[1.0][1]  # Fewer probes ...
+    assert points[0.5][0] > 1.1 * points[1.0][0]  # ... and more branch points.
+
+
 def test_action_distribution_entropy_by_hand():
     assert action_distribution_entropy(["go", "go", "go"]) == 0.0
     assert action_distribution_entropy(["take a", "take b"]) == pytest.approx(np.log(2))

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Installs everything and runs the test suite. Extra arguments go to pytest
-# (e.g. `-m "not slow"` for the quick suite, or a test file).
+# Installs everything and runs the default test suite (every test not marked `slow` or
+# `full_compile`). Extra arguments go to pytest: `-m slow` for the minutes-long tests, a file.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh

@@ -49,7 +49,11 @@ RULES = {
         "entropy_per_step": True,
         "branch_schedule": "spread",
     },
-    "action_samples": {"selector": "action_samples"},
+    "action_samples": {"selector": "action_samples"},  # Probes spend half the slack.
+    # Probes wherever the slack pays for them (before rollout.probe_share existed).
+    "action_samples_every_step": {"selector": "action_samples", "probe_share": 1.0},
+    "action_samples_2": {"selector": "action_samples", "probe_samples": 2},
+    "uniform": {"selector": "uniform"},
     "action_samples_spread": {"selector": "action_samples", "branch_schedule": "spread"},
     "uniform_spread": {"selector": "uniform", "branch_schedule": "spread"},
     "interval": {"selector": "interval"},

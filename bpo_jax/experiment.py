@@ -133,8 +133,11 @@ def base_config(
 
     # RL.
     c.train = ml_collections.ConfigDict()
-    # grpo | rloo | gigpo | ppo (independent groups) | bpo | treerl (trees): bpo_jax/algorithms.py.
-    c.train.algo = variants.get("algo", "grpo")
+    # bpo | treerl (trees) | grpo | rloo | gigpo | ppo (independent groups): bpo_jax/algorithms.py.
+    # BPO by default: its trees spend the baselines' measured per-task compute (spend / budget
+    # 0.91-1.10 per batch on ALFWorld, bench/results/branch_rules_k0_3.json); `algo=grpo` etc.
+    # give the baselines at the same budget.
+    c.train.algo = variants.get("algo", "bpo")
     c.train.iterations = 6 if cpu else 50  # Policy-update iterations (one rollout batch each).
     c.train.tasks_per_iter = 4 if cpu else 16
     c.train.group_size = 4 if cpu else 8  # Rollouts per task (forks of one reset).
@@ -171,7 +174,9 @@ def base_config(
     # Rollout topology of the tree algorithms (bpo, treerl); independent algorithms (grpo, rloo,
     # gigpo, ppo) play `train.group_size` forks of each task's reset. See bpo_jax/branching.py.
     c.rollout = ml_collections.ConfigDict()
-    c.rollout.root_group = 2  # K0 backbones per task (>= 2: the first steps need siblings).
+    # K0 backbones per task (>= 2: the first steps need siblings). CPU: 3 against group_size 4,
+    # the tree that lost least to RLOO on the tabular MDPs' variance map (docs/variance_map.md).
+    c.rollout.root_group = 3 if cpu else 2
     c.rollout.num_branches = 2 if cpu else 4  # K children per branch point (backbone + K - 1).
     c.rollout.branch_budget = 2 if cpu else 4  # Branch points per backbone (its whole subtree).
     c.rollout.max_depth = 2  # Nested branch points on a root-to-leaf path.

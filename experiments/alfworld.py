@@ -7,7 +7,7 @@ the prompt, 512 response tokens; bpo_jax/agent/presets.py):
   python -m bpo_jax.main --config=experiments/alfworld.py \
       --config.model.hf_checkpoint=/path/to/Qwen2.5-7B-Instruct --workdir=gs://bucket/alfworld
 
-Local CPU default (a tiny policy, behaviour cloning from the walkthroughs, then GRPO):
+Local CPU default (a tiny policy, behaviour cloning from the walkthroughs, then BPO):
 
   python -m bpo_jax.main --config=experiments/alfworld.py:cpu --workdir=runs/alfworld_cpu
 

@@ -7,7 +7,7 @@ the instances' Docker images (a machine with Docker; see envs/swe/docker.py):
       --config.env.data_root=/data/swebench_verified.jsonl \
       --config.model.hf_checkpoint=/path/to/Qwen2.5-7B-Instruct --workdir=gs://bucket/swebench
 
-Local CPU default (a tiny policy, behaviour cloning from the walkthroughs, then GRPO) on the
+Local CPU default (a tiny policy, behaviour cloning from the walkthroughs, then BPO) on the
 synthetic tasks (bugs injected into PyPI packages, graded by their own test suites). Build them
 once (a few minutes; downloads the packages with pip), then train:
 

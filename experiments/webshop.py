@@ -8,7 +8,7 @@ for human instructions, items_human_ins.json; see envs/webshop/data.py for where
   python -m bpo_jax.main --config=experiments/webshop.py \
       --config.model.hf_checkpoint=/path/to/Qwen2.5-7B-Instruct --workdir=gs://bucket/webshop
 
-Local CPU default (a tiny policy, behaviour cloning from the walkthroughs, then GRPO) on the
+Local CPU default (a tiny policy, behaviour cloning from the walkthroughs, then BPO) on the
 40-product test fixture (tests/fixtures/webshop/, goals from the real attribute file in
 $WEBSHOP_DATA). Its numbers are fixture numbers, not WebShop results:
 

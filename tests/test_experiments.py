@@ -45,7 +45,7 @@ def test_experiment_variant_validates(path, arg):
             validate(launch_config(path, arg))
     overrides = [] if cpu else ["--config.model.hf_checkpoint=/path/to/Qwen2.5-7B-Instruct"]
     v = validate(launch_config(path, arg, *overrides))
-    assert v.train.algo == variants.get("algo", "grpo")
+    assert v.train.algo == variants.get("algo", "bpo")  # BPO is the default
     if cpu:
         assert v.model.preset == "tiny"
     else:

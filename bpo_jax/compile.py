@@ -1,6 +1,7 @@
 r"""Compile-only proofs that an experiment's programs fit a TPU slice, from any machine.
 
     python -m bpo_jax.compile --config=experiments/alfworld.py --topology=v5p-64 [--json=PATH]
+        [--num_slices=N]  # N slices of it (multislice): the data axis over them (DCN)
 
 lowers and compiles, for the named slice, the three programs a run spends its memory in: the
 update step (`learner.make_train_step` with the clipped policy-gradient loss, at the config's
@@ -99,8 +100,8 @@ def parse_topology(accelerator_type: str) -> Slice:
     return Slice(accelerator_type, chip, count // chip.cores_in_name)
 
 
-def topology_devices(s: Slice) -> list:
-    """libtpu's compile-only devices of the slice, one per chip."""
+def topology_devices(s: Slice, num_slices: int = 1) -> list:
+    """libtpu's compile-only devices of `num_slices` such slices (multislice), one per chip."""
     from jax.experimental import topologies
 
     # Compile-only use touches no chip: several compiles (tests, sweeps) may load libtpu at
@@ -112,12 +113,13 @@ def topology_devices(s: Slice) -> list:
         topology_name=s.topology_name,
         chip_config_name=s.chip.chip_config,
         chips_per_host_bounds=bounds,
-        num_slices=1,
+        num_slices=num_slices,
     )
     devices = list(desc.devices)
-    if len(devices) != s.chips:
+    if len(devices) != s.chips * num_slices:
         raise RuntimeError(
-            f"libtpu gave {len(devices)} devices for {s.topology_name}, not {s.chips}."
+            f"libtpu gave {len(devices)} devices for {num_slices} x {s.topology_name}, not "
+            f"{s.chips * num_slices}."
         )
     return devices
 
@@ -323,12 +325,23 @@ def analyse(compiled, s: Slice, analytic_flops: float, loop_trips: int = 1) -> d
 
 
 def compile_report(
-    cfg, accelerator_type: str, programs_: Sequence[str] = ("update", "prefill", "decode")
+    cfg,
+    accelerator_type: str,
+    programs_: Sequence[str] = ("update", "prefill", "decode"),
+    num_slices: int = 1,
 ) -> dict:
-    """Compiles the named programs of `cfg` for the slice; returns the JSON report."""
+    """Compiles the named programs of `cfg` for `num_slices` slices; returns the JSON report.
+
+    With several slices (gcloud's multislice: `num_slices` slices of `accelerator_type`) the
+    mesh's data axis spans them over DCN (`sharding.make_mesh`); the roofline does not model
+    DCN bandwidth.
+    """
+    if num_slices < 1:
+        raise ValueError(f"num_slices must be >= 1, got {num_slices}.")
     s = parse_topology(accelerator_type)
-    devices = topology_devices(s)
-    mesh = sharding.make_mesh(cfg.mesh.axes, devices=devices)
+    devices = topology_devices(s, num_slices)
+    chips = s.chips * num_slices
+    mesh = sharding.make_mesh(cfg.mesh.axes, devices=devices, dcn_data=cfg.mesh.dcn_data)
     mcfg = model_config_of(cfg)
     # The start-up check a run makes: no large parameter left unsplit on this mesh.
     sharding.check_replication(abstract_params(mcfg, mesh)[1])
@@ -342,11 +355,12 @@ def compile_report(
             lowered.update({"prefill": prefill, "decode": decode})
         for name in programs_:
             trips = cfg.agent.max_action_tokens if name == "decode" else 1
-            flops = model_flops(cfg, mcfg, name, s.chips)
+            flops = model_flops(cfg, mcfg, name, chips)
             out[name] = analyse(lowered[name].compile(), s, flops, trips)
     return {
         "topology": accelerator_type,
-        "chips": s.chips,
+        "num_slices": num_slices,
+        "chips": chips,
         "hbm_bytes_per_chip": s.chip.hbm_bytes,
         "mesh": dict(mesh.shape),
         "programs": out,
@@ -356,7 +370,8 @@ def compile_report(
 def format_report(report: dict) -> str:
     hbm = report["hbm_bytes_per_chip"]
     lines = [
-        f"{report['topology']}: {report['chips']} chips, {hbm / GiB:.1f} GiB HBM per chip, "
+        f"{report['num_slices']} x {report['topology']}: {report['chips']} chips, "
+        f"{hbm / GiB:.1f} GiB HBM per chip, "
         f"mesh {report['mesh']}",
         f"{'program':<8} {'args GiB':>9} {'temp GiB':>9} {'total GiB':>10} {'fits':>5} "
         f"{'TFLOP':>9} {'model TFLOP':>12} {'GB accessed':>12} {'roofline s':>11}",
@@ -379,13 +394,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     flags_ = flags.FlagValues()
     config_flags.DEFINE_config_file("config", None, "Experiment config file.", flag_values=flags_)
     flags.DEFINE_string("topology", "v5p-64", "gcloud accelerator type.", flag_values=flags_)
+    flags.DEFINE_integer(
+        "num_slices", 1, "Slices of --topology (multislice over DCN).", flag_values=flags_
+    )
     flags.DEFINE_string("json", None, "Write the report as JSON here.", flag_values=flags_)
     flags.DEFINE_list(
         "programs", ["update", "prefill", "decode"], "Programs to compile.", flag_values=flags_
     )
     flags_(list(sys.argv if argv is None else argv))
     cfg = validate_for_compile(flags_.config)
-    report = compile_report(cfg, flags_.topology, flags_.programs)
+    report = compile_report(cfg, flags_.topology, flags_.programs, flags_.num_slices)
     print(format_report(report))
     if flags_.json:
         Path(flags_.json).write_text(json.dumps(report, indent=2))

@@ -146,6 +146,11 @@ class MeshSpec(_Spec):
     task_shards: int = dataclasses.field(
         default=0, metadata={"check": _Check(lambda v: v >= 0, "must be >= 0 (0: one per process)")}
     )
+    # Multislice: slices the data axis spans over DCN (data, fsdp and tensor above are sizes
+    # within one slice; fsdp and tensor never cross slices). 0: as many as the devices span.
+    dcn_data: int = dataclasses.field(
+        default=0, metadata={"check": _Check(lambda v: v >= 0, "must be >= 0 (0: every slice)")}
+    )
 
     def _check_fields(self):
         if [self.data, self.fsdp, self.tensor].count(-1) > 1:

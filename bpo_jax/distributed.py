@@ -22,7 +22,7 @@ from typing import Any
 import jax
 import numpy as np
 from jax.experimental import multihost_utils
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 from bpo_jax.models.axes import MESH_AXES
 
@@ -202,7 +202,16 @@ def local_mesh(global_mesh: Mesh) -> Mesh:
     """
     if jax.process_count() == 1:
         return global_mesh
-    devices = [d for d in global_mesh.devices.flat if d.process_index == jax.process_index()]
+    return process_mesh(global_mesh, jax.process_index())
+
+
+def process_mesh(global_mesh: Mesh, process: int) -> Mesh:
+    """`local_mesh` of process `process` (any process can compute every other one's)."""
+    devices = [d for d in global_mesh.devices.flat if d.process_index == process]
+    if not devices:
+        raise ValueError(
+            f"Process {process} holds no device of the mesh {dict(global_mesh.shape)}."
+        )
     left = len(devices)
     sizes = dict.fromkeys(MESH_AXES, 1)
     for a in ("tensor", "fsdp", "data"):
@@ -214,31 +223,72 @@ def local_mesh(global_mesh: Mesh) -> Mesh:
     return make_mesh(sizes, devices=devices)
 
 
+# The axis of `staging_mesh` over processes: a leaf is replicated over it, each process's copy
+# laid out on that process's devices as its local mesh lays it out.
+PROCESS_AXIS = "process"
+
+
+def staging_mesh(global_mesh: Mesh, mesh: Mesh) -> Mesh:
+    """The global mesh's devices as every process's local mesh, stacked along `PROCESS_AXIS`.
+
+    A `NamedSharding` on it with a local-mesh spec puts on each device exactly the block that
+    device holds in its process's local layout: resharding a global array to it is one SPMD
+    program over all devices, after which each process's shards *are* its local array.
+
+    Raises:
+      ValueError: when `mesh` is not this process's `local_mesh` (the other processes could not
+        know its layout), or the processes' local meshes differ in shape.
+    """
+    meshes = [process_mesh(global_mesh, p) for p in range(jax.process_count())]
+    mine = meshes[jax.process_index()]
+    if mine.axis_names != mesh.axis_names or not (mine.devices == mesh.devices).all():
+        raise ValueError(
+            f"to_local needs this process's local_mesh(global_mesh) {dict(mine.shape)}, got "
+            f"the mesh {dict(mesh.shape)} over other devices or in another order."
+        )
+    shapes = {m.devices.shape for m in meshes}
+    if len(shapes) != 1:
+        raise ValueError(f"Processes' local meshes differ in shape ({sorted(shapes)}).")
+    return Mesh(
+        np.stack([m.devices for m in meshes]),
+        (PROCESS_AXIS, *mesh.axis_names),
+        axis_types=(AxisType.Auto,) * (1 + len(mesh.axis_names)),
+    )
+
+
 def to_local(tree, mesh: Mesh):
-    """A pytree of global arrays as arrays on `mesh` (this process's devices).
+    """A pytree of global arrays as arrays on `mesh`, this process's `local_mesh`.
 
     Each leaf keeps its partition spec where `mesh` can hold it (mesh axes that do not divide
-    the dimension are dropped). Leaves another process holds shards of are first replicated
-    over the global mesh (an all-gather: a collective every process must call at the same
-    point), which needs the whole leaf on every device for a moment.
+    the dimension are dropped). A leaf other processes hold shards of is resharded in one
+    collective (every process calls `to_local` at the same point) to `staging_mesh`, where
+    each device receives only its block of the local layout, e.g. 1/4 of a parameter on a
+    host of 4 chips whose local mesh splits it 4 ways: no device ever holds a whole copy of a
+    leaf it is not meant to hold whole. The received blocks become the local array as they are.
     """
     leaves = jax.tree.leaves(tree)
     if jax.process_count() == 1 or all(getattr(x, "is_fully_addressable", True) for x in leaves):
         return tree
     global_mesh = next(x.sharding.mesh for x in leaves if not x.is_fully_addressable)
-    full = jax.jit(lambda t: t, out_shardings=NamedSharding(global_mesh, PartitionSpec()))(tree)
+    staging = staging_mesh(global_mesh, mesh)
 
-    def localize(x, src):
-        replicated = NamedSharding(mesh, PartitionSpec())
-        local = jax.make_array_from_single_device_arrays(
-            x.shape,
-            replicated,
-            [s.data for s in x.addressable_shards if s.device in mesh.devices.flat],
+    def local_spec(x):
+        return _fit_spec(getattr(x.sharding, "spec", PartitionSpec()), x.shape, mesh)
+
+    def stage(x):
+        if x.is_fully_addressable:  # Already on this process's devices: a local copy.
+            return jax.device_put(x, NamedSharding(mesh, local_spec(x)))
+        return jax.device_put(x, NamedSharding(staging, local_spec(x)))
+
+    def localize(staged, x):
+        local = NamedSharding(mesh, local_spec(x))
+        if staged.is_fully_addressable:
+            return staged
+        return jax.make_array_from_single_device_arrays(
+            x.shape, local, [s.data for s in staged.addressable_shards]
         )
-        spec = getattr(src.sharding, "spec", PartitionSpec())
-        return jax.device_put(local, NamedSharding(mesh, _fit_spec(spec, x.shape, mesh)))
 
-    return jax.tree.map(localize, full, tree)
+    return jax.tree.map(localize, jax.tree.map(stage, tree), tree)
 
 
 def _fit_spec(spec: PartitionSpec, shape, mesh: Mesh) -> PartitionSpec:

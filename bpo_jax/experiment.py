@@ -105,6 +105,9 @@ def base_config(
     # Shares each batch of tasks is cut into for the hosts (0 = one per process); results
     # depend on the number of shares, not of processes (`bpo_jax.shares`).
     c.mesh.task_shards = 0
+    # Multislice (several TPU slices over DCN): the data axis spans the slices, `dcn_data` of
+    # them (0: all the devices span); data, fsdp and tensor above are sizes within one slice.
+    c.mesh.dcn_data = 0
 
     # Agent turn format (bpo_jax/agent/): task + first observation + the last `history_turns`
     # (observation, action) pairs + the current observation; the action is parsed from the

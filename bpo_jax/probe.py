@@ -363,7 +363,7 @@ def main(argv):
     algos = [a.strip() for a in f.algos.split(",") if a.strip()]
     train_tasks, _ = builders.select_tasks(cfg)
     tasks = train_tasks[: cfg.train.tasks_per_iter]
-    mesh = sharding.make_mesh(cfg.mesh.axes)
+    mesh = sharding.make_mesh(cfg.mesh.axes, dcn_data=cfg.mesh.dcn_data)
     with builders.make_pool(cfg) as pool, jax.set_mesh(mesh), sharding.axis_rules(cfg.mesh.rules):
         tokenizer = builders.build_tokenizer(cfg, workdir, demos=[])
         mcfg, model = builders.build_model(cfg, tokenizer, mesh)

@@ -103,7 +103,7 @@ def open_run(cfg: ExperimentConfig, workdir: Path, raw_config=None):
     lead = distributed.is_lead()  # Process 0 writes the run's files (Orbax: checkpoints, all).
     if raw_config is not None and lead:
         (workdir / "config.json").write_text(json.dumps(raw_config, indent=2, default=str))
-    mesh = sharding.make_mesh(cfg.mesh.axes)
+    mesh = sharding.make_mesh(cfg.mesh.axes, dcn_data=cfg.mesh.dcn_data)
     train_tasks, eval_tasks = select_tasks(cfg)
     log.info(
         "%d training tasks; evaluation tasks: %s",

@@ -56,6 +56,7 @@ def test_compile_tool_on_a_small_topology_writes_the_report(tmp_path):
     report = json.loads(out.read_text())
     assert rc == 0
     assert report["topology"] == "v5litepod-16"
+    assert report["num_slices"] == 1
     assert report["chips"] == 16
     assert report["hbm_bytes_per_chip"] == 16 << 30
     assert set(report["programs"]) == set(PROGRAMS)
@@ -85,3 +86,25 @@ def test_full_settings_fit(experiment, model, topology):
     print(compile_tool.format_report(report))
     for name, p in report["programs"].items():
         assert p["fits"], (name, p["total_bytes"] / 2**30)
+
+
+@pytest.mark.slow  # 6 min measured on this loaded 2-core machine.
+def test_compile_tool_multislice_runs_data_over_the_slices(tmp_path):
+    """`--num_slices=2` of v5litepod-4: 8 chips, the data axis over the two slices (DCN)."""
+    out = tmp_path / "report.json"
+    rc = compile_tool.main(
+        [
+            "compile",
+            "--config=experiments/alfworld.py:cpu",
+            "--topology=v5litepod-4",
+            "--num_slices=2",
+            "--programs=update",
+            f"--json={out}",
+        ]
+    )
+    report = json.loads(out.read_text())
+    assert rc == 0
+    assert (report["num_slices"], report["chips"]) == (2, 8)
+    assert report["mesh"] == {"data": 2, "fsdp": 4, "tensor": 1}
+    assert set(report["programs"]) == {"update"}
+    assert report["programs"]["update"]["fits"] is True

@@ -17,6 +17,7 @@ from collections.abc import Sequence
 
 import jax
 import numpy as np
+from jax.experimental import mesh_utils
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 from bpo_jax.models.axes import DEFAULT_RULES, MESH_AXES
@@ -50,43 +51,101 @@ def current_rules():
     return _RULES.get()
 
 
-def make_mesh(shape: dict[str, int] | Sequence[int], devices=None) -> Mesh:
-    """Builds a (data, fsdp, tensor) mesh with Auto axes.
+def make_mesh(shape: dict[str, int] | Sequence[int], devices=None, *, dcn_data: int = 0) -> Mesh:
+    """Builds a (data, fsdp, tensor) mesh with Auto axes, laid out on the devices' network.
+
+    On TPUs the layout is `jax.experimental.mesh_utils`': within a slice `create_device_mesh`
+    maps the axes onto the ICI torus (`tensor`, the most communication per step, on the
+    nearest chips); devices that span several slices (multislice: devices carry `slice_index`)
+    make one hybrid mesh (`create_hybrid_device_mesh`) whose `data` axis runs over the slices
+    (DCN) while `fsdp` and `tensor` stay inside each slice, so no parameter all-gather crosses
+    the slow network. Devices without a topology (CPU) keep their order, one slice.
 
     Args:
-      shape: sizes of (data, fsdp, tensor), as a dict or sequence; one size may be -1 to take
-        all remaining devices.
+      shape: sizes of (data, fsdp, tensor) *within one slice*, as a dict or sequence; one size
+        may be -1 to take the rest of a slice's devices. With one slice these are the mesh's.
       devices: devices to use (default: all).
+      dcn_data: slices the `data` axis spans (`config.mesh.dcn_data`); the mesh's data axis is
+        `dcn_data * data`. 0: as many as the devices span. Any other value must equal that
+        number; it lets a config insist on its slice count.
 
     Returns:
       A `jax.sharding.Mesh` whose axis types are Auto, so `with_sharding_constraint` works.
+
+    Raises:
+      ValueError: unknown axes or sizes that do not divide a slice's devices (naming the
+        slice count, since fsdp and tensor may not cross slices), slices of unequal size, or a
+        `dcn_data` that is not the number of slices the devices span.
     """
     devices = list(jax.devices() if devices is None else devices)
+    sizes = _axis_sizes(shape)
+    slices = _slices(devices)
+    if dcn_data < 0 or (dcn_data and dcn_data != len(slices)):
+        raise ValueError(
+            f"dcn_data={dcn_data} (config.mesh.dcn_data) must be the number of slices the "
+            f"{len(devices)} devices span, {len(slices)}, or 0 for that number."
+        )
+    per_slice = len(slices[0])
+    if any(len(s) != per_slice for s in slices):
+        counts = {i: len(s) for i, s in enumerate(slices)}
+        raise ValueError(f"Slices of unequal size (devices per slice: {counts}); cannot mesh them.")
+    where = "" if len(slices) == 1 else f" per slice ({len(slices)} slices)"
+    if sizes.count(-1) > 1:
+        raise ValueError(f"At most one mesh axis may be -1, got {sizes}.")
+    if -1 in sizes:
+        rest = math.prod(s for s in sizes if s != -1)
+        if per_slice % rest:
+            raise ValueError(
+                f"{per_slice} devices{where} cannot be split by fixed mesh sizes {sizes}."
+                + _CROSSING_HINT * (len(slices) > 1)
+            )
+        sizes[sizes.index(-1)] = per_slice // rest
+    if math.prod(sizes) != per_slice:
+        raise ValueError(
+            f"Mesh {dict(zip(MESH_AXES, sizes))} needs {math.prod(sizes)} devices{where}, "
+            f"but {per_slice} are available{where}." + _CROSSING_HINT * (len(slices) > 1)
+        )
+    if len(slices) == 1:
+        # TPU: the ICI-aware order (physical axes split only when no whole-axis product fits);
+        # other platforms: the devices' own order (GPU: by id).
+        arr = mesh_utils.create_device_mesh(sizes, devices, allow_split_physical_axes=True)
+    else:
+        arr = mesh_utils.create_hybrid_device_mesh(
+            sizes,
+            (len(slices),) + (1,) * (len(MESH_AXES) - 1),
+            devices,
+            allow_split_physical_axes=True,
+        )
+    return Mesh(arr, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES))
+
+
+_CROSSING_HINT = (
+    " The sizes are per slice: fsdp and tensor never cross slices (their all-gathers would run "
+    "over DCN) and the data axis is multiplied by the slice count, e.g. data=1, fsdp=-1 gives "
+    "data over the slices and fsdp over each slice's chips."
+)
+
+
+def _axis_sizes(shape: dict[str, int] | Sequence[int]) -> list[int]:
     if isinstance(shape, dict):
         unknown = set(shape) - set(MESH_AXES)
         if unknown:
             raise ValueError(
                 f"Unknown mesh axes {sorted(unknown)}; expected a subset of {MESH_AXES}."
             )
-        sizes = [int(shape.get(a, 1)) for a in MESH_AXES]
-    else:
-        sizes = [int(s) for s in shape]
-        if len(sizes) != len(MESH_AXES):
-            raise ValueError(f"Mesh shape {shape} must have {len(MESH_AXES)} entries {MESH_AXES}.")
-    if sizes.count(-1) > 1:
-        raise ValueError(f"At most one mesh axis may be -1, got {sizes}.")
-    if -1 in sizes:
-        rest = math.prod(s for s in sizes if s != -1)
-        if len(devices) % rest:
-            raise ValueError(f"{len(devices)} devices cannot be split by fixed mesh sizes {sizes}.")
-        sizes[sizes.index(-1)] = len(devices) // rest
-    if math.prod(sizes) != len(devices):
-        raise ValueError(
-            f"Mesh {dict(zip(MESH_AXES, sizes))} needs {math.prod(sizes)} devices, "
-            f"but {len(devices)} are available."
-        )
-    arr = np.asarray(devices, dtype=object).reshape(sizes)
-    return Mesh(arr, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES))
+        return [int(shape.get(a, 1)) for a in MESH_AXES]
+    sizes = [int(s) for s in shape]
+    if len(sizes) != len(MESH_AXES):
+        raise ValueError(f"Mesh shape {shape} must have {len(MESH_AXES)} entries {MESH_AXES}.")
+    return sizes
+
+
+def _slices(devices) -> list[list]:
+    """The devices grouped by `slice_index`, in slice order (one group where devices have none)."""
+    groups: dict[int, list] = {}
+    for d in devices:
+        groups.setdefault(getattr(d, "slice_index", 0), []).append(d)
+    return [groups[k] for k in sorted(groups)]
 
 
 def logical_to_spec(

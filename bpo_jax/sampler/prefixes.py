@@ -16,9 +16,14 @@ on a row's key and a token's position only, so generated tokens do not depend on
 reused.
 
 Trade-offs:
-  * The kept rows are a copy of the batch's cache (the caller's `generate` consumes its own), so
-    device memory holds two caches of the batch's size between turns. `clear()` frees them
-    (the policy clears at the end of each rollout batch, before the learner needs the memory).
+  * The kept rows are a copy of the batch's cache (the caller's `generate` consumes its own),
+    made by the prefill program itself (`Sampler.prefill_and_copy`), so device memory holds two
+    caches of the batch's size between turns. `clear()` frees them (the policy clears at the
+    end of each rollout batch, before the learner needs the memory). The next call takes the
+    kept buffers over: rows that continue themselves in order are prefilled in place, others
+    are gathered by one program (`contexts.regroup`). A turn then runs two programs, the
+    prefill and the caller's `generate`; the eager per-layer copies this replaced cost more
+    than a third of a tiny() turn's suffix prefill on 2 CPU devices.
   * Only the previous call's rows are kept: a prompt continues its own previous prompt or a
     sibling's. With a history window that slides (`history_turns` turns), the prompt's turns
     shift position once the window is full, so only the task's fixed head (and the turns still

@@ -83,8 +83,12 @@ def parse_args():
         "(bench_sampler_turns.py); paper_turn: the same in the paper's proportions",
     )
     p.add_argument("--batch", type=int, default=16)
-    p.add_argument("--prompt-len", type=int, default=None, help="default 256, turn 320, paper_turn 1024")
-    p.add_argument("--new-tokens", type=int, default=None, help="default 64, turn 16, paper_turn 32")
+    p.add_argument(
+        "--prompt-len", type=int, default=None, help="default 256, turn 320, paper_turn 1024"
+    )
+    p.add_argument(
+        "--new-tokens", type=int, default=None, help="default 64, turn 16, paper_turn 32"
+    )
     p.add_argument("--shared", type=int, default=None, help="turn: prefix shared by a group")
     p.add_argument("--group", type=int, default=None, help="turn: rows sharing a prefix")
     p.add_argument("--turns", type=int, default=None, help="turn: turns per round")

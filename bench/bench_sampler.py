@@ -39,6 +39,10 @@ prefixes computed once, and the prefill's fraction of the matmul peak; see
 `bench_sampler_turns.py`:
 
     .venv/bin/python bench/bench_sampler.py --shape=turn --json runs/bench_sampler_turn.json
+
+`--shape=paper_turn` is the same measurement in the paper setting's proportions, scaled to the
+tiny model (see `bench_sampler_turns.PAPER_TURN`): a 1,024-token prompt of which 768 tokens are
+shared by groups of 8 rows, 32 new tokens, 6 turns.
 """
 
 from __future__ import annotations
@@ -73,17 +77,21 @@ def parse_args():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument(
         "--shape",
-        choices=("decode", "turn"),
+        choices=("decode", "turn", "paper_turn"),
         default="decode",
         help="decode: one long generation; turn: agent turns with shared prefixes "
-        "(bench_sampler_turns.py)",
+        "(bench_sampler_turns.py); paper_turn: the same in the paper's proportions",
     )
     p.add_argument("--batch", type=int, default=16)
-    p.add_argument("--prompt-len", type=int, default=None, help="default 256, turn 320")
-    p.add_argument("--new-tokens", type=int, default=None, help="default 64, turn 16")
-    p.add_argument("--shared", type=int, default=192, help="turn: prefix shared by a group")
-    p.add_argument("--group", type=int, default=4, help="turn: rows sharing a prefix")
-    p.add_argument("--turns", type=int, default=12, help="turn: turns per round")
+    p.add_argument(
+        "--prompt-len", type=int, default=None, help="default 256, turn 320, paper_turn 1024"
+    )
+    p.add_argument(
+        "--new-tokens", type=int, default=None, help="default 64, turn 16, paper_turn 32"
+    )
+    p.add_argument("--shared", type=int, default=None, help="turn: prefix shared by a group")
+    p.add_argument("--group", type=int, default=None, help="turn: rows sharing a prefix")
+    p.add_argument("--turns", type=int, default=None, help="turn: turns per round")
     p.add_argument("--temperature", type=float, default=1.0)
     p.add_argument("--repeats", type=int, default=5, help="timed runs of each side")
     p.add_argument(
@@ -106,15 +114,18 @@ def parse_args():
     )
     p.add_argument("--json", type=str, default=None, help="write the results here")
     args = p.parse_args()
-    turn = args.shape == "turn"
-    if args.prompt_len is None:
-        args.prompt_len = 320 if turn else 256
-    if args.new_tokens is None:
-        args.new_tokens = 16 if turn else 64
+    shape = {
+        "decode": {"prompt_len": 256, "new_tokens": 64},
+        "turn": bench_sampler_turns.TURN,
+        "paper_turn": bench_sampler_turns.PAPER_TURN,
+    }[args.shape]
+    for name, value in shape.items():
+        if getattr(args, name, None) is None:
+            setattr(args, name, value)
     return args
 
 
-def hf_config() -> transformers.Qwen2Config:
+def hf_config(max_positions: int = 1024) -> transformers.Qwen2Config:
     return transformers.Qwen2Config(
         vocab_size=1024,
         hidden_size=128,
@@ -122,7 +133,7 @@ def hf_config() -> transformers.Qwen2Config:
         num_hidden_layers=4,
         num_attention_heads=4,
         num_key_value_heads=2,
-        max_position_embeddings=1024,
+        max_position_embeddings=max_positions,
         rope_theta=10_000.0,
         rms_norm_eps=1e-6,
         tie_word_embeddings=True,
@@ -179,7 +190,7 @@ def main():
 
     # ---------------------------------------------------------------- same weights on both sides
     torch.manual_seed(0)
-    hf = transformers.Qwen2ForCausalLM(hf_config()).to(torch.float32).eval()
+    hf = transformers.Qwen2ForCausalLM(hf_config(max(1024, p + n))).to(torch.float32).eval()
     with tempfile.TemporaryDirectory() as tmp:
         hf.save_pretrained(tmp)
         cfg, model = load_hf_checkpoint(tmp, max_seq_len=p + n)
@@ -193,7 +204,7 @@ def main():
     if parity > 1e-3:
         raise SystemExit(f"Our model disagrees with HF on the same weights: max |dlogit| {parity}")
 
-    if args.shape == "turn":
+    if args.shape in ("turn", "paper_turn"):
         mesh = sharding.make_mesh({"data": args.replicas}, devices=jax.devices()[: args.replicas])
         replicated = jax.device_put(params, NamedSharding(mesh, P()))
         results = bench_sampler_turns.run(

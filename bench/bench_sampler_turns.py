@@ -17,6 +17,17 @@ Prefill FLOPs count what the model must do for the tokens run: 2 * (layer matmul
 per token, attention 4 * layers * heads * head_dim * (keys attended) per token (its causal
 context), and the LM head for each row's last token. The fraction of peak divides the FLOP/s by
 the best float32 jnp matmul (2048^3) timed in each round of the same run.
+
+Two shapes (`bench_sampler.py --shape=...`):
+  * `turn` (`TURN`): ALFWorld's CPU setting: a prompt of up to 320 tokens, actions of 8-16.
+  * `paper_turn` (`PAPER_TURN`): the paper setting (prompts up to 4,096 tokens, 64-token
+    actions, 8 rollouts a task) scaled to the tiny model. Lengths are divided by 4 for the
+    prompt (a 1,024-token prompt, the tiny model's position range) and by 2 for the action (32
+    tokens: a 64:1 prompt-to-action ratio would leave 16 decode steps, fewer than the turn
+    shape's, and measure almost only prefill). Three quarters of the prompt (768 tokens) is
+    shared by a group of 8 rows: the task's head and the history its rollouts have in common,
+    which dominates a 4,096-token prompt late in a 50-turn episode. 6 turns a round (the
+    HF side of one round runs about a minute on 2 cores).
 """
 
 from __future__ import annotations
@@ -30,6 +41,11 @@ import torch
 
 from bpo_jax.models.llama import init_cache
 from bpo_jax.sampler import PrefixCache, Sampler, bucket_length
+
+# Per shape (the defaults of bench_sampler.py's flags): prompt tokens, tokens shared by a group,
+# rows per group, new tokens, turns per round. The batch is --batch (16) in both.
+TURN = {"prompt_len": 320, "shared": 192, "group": 4, "new_tokens": 16, "turns": 12}
+PAPER_TURN = {"prompt_len": 1024, "shared": 768, "group": 8, "new_tokens": 32, "turns": 6}
 
 
 def turn_prompts(args, vocab: int, turn: int) -> list[np.ndarray]:
@@ -192,7 +208,7 @@ def run(args, cfg, graphdef, params, hf, mesh, replicated, matmul_peak, settle):
     whole_flops = prefill_flops(cfg, np.zeros(b, np.int64), np.full(b, args.prompt_len))
     o_pre, h_pre = med(rounds["ours_prefill"]), med(rounds["hf_prefill"])
     results = {
-        "shape": "turn",
+        "shape": args.shape,
         "setup": {
             "batch": b,
             "prompt_len": args.prompt_len,

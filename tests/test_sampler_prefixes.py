@@ -119,6 +119,28 @@ def test_heads_then_suffixes_then_growing_history(setup):
     assert_same_contexts(params, sampler, state, cut, seed=4)
 
 
+def test_rows_continue_other_rows_reordered_and_repeated(setup):
+    """Branch children: the next call's rows continue kept rows out of order, some twice.
+
+    Also checks that the kept rows survive the `generate` that consumes the returned state.
+    """
+    params, sampler = setup
+    prefixes = PrefixCache(sampler, new_cache)
+    h = heads(seed=11)
+    lens1 = [6, 3, 9, 4, 2, 8, 5, 7]
+    turn1 = [h[b // GROUP] + s for b, s in enumerate(suffixes(lens1, range(1, 9), seed=12))]
+    state = prefixes.prefill(params, turn1)
+    sampler.generate(params, state, jax.random.key(0))  # consumes `state`, not the kept rows
+    parents = [5, 5, 2, 0, 7, 1]
+    ext = [3, 7, 1, 4, 2, 6]
+    grown = suffixes(ext, range(31, 37), seed=13)
+    turn2 = [turn1[p] + g for p, g in zip(parents, grown)]
+    state = prefixes.prefill(params, turn2)
+    assert prefixes.last_shared_tokens == 0
+    assert state.prefilled_b.tolist() == ext
+    assert_same_contexts(params, sampler, state, turn2, seed=8)
+
+
 def test_identical_prompts_run_once(setup):
     params, sampler = setup
     prefixes = PrefixCache(sampler, new_cache)

@@ -18,7 +18,7 @@ The modules, one role each:
   * `programs`: the traced prefill and decode-loop bodies and their jitted programs.
   * `tokens`: token sampling (temperature, top-p, inverse-CDF draws, per-row keys).
   * `contexts`: `PrefillState` / `SampleOutput` and row operations (`fork_rows`,
-    `concat_states`).
+    `concat_states`, and `regroup`: both and a cut, as one program).
   * `replicas`: the per-replica `shard_map` path (`row_mesh`, `per_replica`).
   * `prefixes`: `PrefixCache`, shared prompt prefixes computed once: each prompt continues the
     longest prefix it shares with the previous call's prompts (a task's head, for every group

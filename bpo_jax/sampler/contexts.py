@@ -5,11 +5,13 @@ A `PrefillState` is what the sampler prefills into and generates from; `SampleOu
 `fork_rows` gathers (and duplicates) rows, which is how a BPO branch point continues one
 context K ways without re-running its prefix, and `concat_states` stacks the rows of several
 states into one batch (e.g. the forks of several branch points, for one `generate` call).
+`regroup` does both, and cuts each row's context, in one compiled program.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Sequence
 
 import jax
@@ -118,3 +120,53 @@ def fork_rows(state: PrefillState, rows: Sequence[int] | np.ndarray) -> PrefillS
         prefilled_b=np.zeros((rows.size,), np.int32),
         prefill_len=0,
     )
+
+
+def regroup(
+    states: Sequence[PrefillState],
+    rows: Sequence[int] | np.ndarray,
+    lengths: Sequence[int] | np.ndarray,
+    like: KVCache,
+) -> PrefillState:
+    """Row i continues row `rows[i]` of the states' rows stacked, cut to `lengths[i]` positions.
+
+    `concat_states`, `fork_rows` and a new `lengths` in one compiled program, whose result is
+    laid out like `like` (a cache, or its `jax.ShapeDtypeStruct`s with shardings: e.g. a fresh
+    cache's layout, rows split over the mesh's `data` axis; the last logits are laid out like
+    its `lengths`). Eagerly, the same work is a few sharded ops per layer and state, each
+    dispatched (and resharded) on its own: 16-34 ms for a tiny() batch of 16 rows on 2 loaded
+    CPU devices, against 2-3 ms as one program. The inputs stay valid.
+    """
+    rows = np.asarray(rows, np.int32).reshape(-1)
+    lengths = np.asarray(lengths, np.int32).reshape(-1)
+    total = sum(s.batch_size for s in states)
+    if rows.size and (rows.min() < 0 or rows.max() >= total):
+        raise ValueError(f"regroup rows must lie in [0, {total}), got {rows.tolist()}.")
+    if lengths.shape != rows.shape or rows.size != like.batch_size:
+        raise ValueError(
+            f"regroup needs one length per row and {like.batch_size} rows (the layout's), got "
+            f"{rows.size} rows and {lengths.size} lengths."
+        )
+    if lengths.size and (lengths.min() < 0 or lengths.max() > like.capacity):
+        raise ValueError(f"regroup lengths must lie in [0, {like.capacity}], got {lengths}.")
+    shardings, treedef = jax.tree.flatten(jax.tree.map(lambda x: x.sharding, like))
+    program = _regroup_program(tuple(shardings), treedef)
+    cache, last_logits = program(
+        tuple(s.cache for s in states),
+        tuple(s.last_logits for s in states),
+        jnp.asarray(rows),
+        jnp.asarray(lengths),
+    )
+    return PrefillState(cache, last_logits, np.zeros((rows.size,), np.int32), 0)
+
+
+@functools.cache
+def _regroup_program(shardings: tuple, treedef):
+    cache_shardings = jax.tree.unflatten(treedef, shardings)
+
+    def regroup_rows(caches, logits, rows, lengths):
+        cache = caches[0] if len(caches) == 1 else KVCache.concatenate(caches)
+        cache = cache.take(rows).replace(lengths=lengths)
+        return cache, jnp.take(jnp.concatenate(logits), rows, axis=0)
+
+    return jax.jit(regroup_rows, out_shardings=(cache_shardings, cache_shardings.lengths))

@@ -142,6 +142,24 @@ class Sampler:
         Returns:
           The extended contexts, with `prefilled_b` counting the real tokens run per row.
         """
+        return self._prefill(params, state, tokens, lengths, keep=False)
+
+    def prefill_and_copy(
+        self,
+        params: nnx.State,
+        state: PrefillState | KVCache,
+        tokens: Sequence[Sequence[int]] | np.ndarray,
+        lengths: Sequence[int] | np.ndarray | None = None,
+    ) -> tuple[PrefillState, PrefillState]:
+        """`prefill`, and an independent copy of its result made by the same program.
+
+        For a caller that keeps the contexts while handing them to `generate`, which consumes
+        (donates) its input: one copy inside the prefill program instead of a `fork` after it.
+        The copy's `prefilled_b` is zeros (it ran nothing of its own).
+        """
+        return self._prefill(params, state, tokens, lengths, keep=True)
+
+    def _prefill(self, params, state, tokens, lengths, *, keep: bool):
         if isinstance(state, KVCache):
             cache, last_logits = state, None
         else:
@@ -167,16 +185,22 @@ class Sampler:
                 f"{cache.capacity}; allocate a larger cache (init_cache(..., capacity=...))."
             )
         if tokens_bt.shape[1] == 0:  # nothing to run
-            return PrefillState(cache, last_logits, num_new_b, 0)
-        cache, last_logits = self._prefill_fn(row_mesh(cache))(
+            out = PrefillState(cache, last_logits, num_new_b, 0)
+            return (out, fork_rows(out, np.arange(batch))) if keep else out
+        result = self._prefill_fn(row_mesh(cache))(
             params,
             cache,
             last_logits,
             jnp.asarray(tokens_bt),
             jnp.asarray(num_new_b),
             offset_bound=offset_bucket(int(cache_len_b.max(initial=0)), cache.capacity),
+            keep=keep,
         )
-        return PrefillState(cache, last_logits, num_new_b, tokens_bt.shape[1])
+        (cache, last_logits), copy = result if keep else (result, None)
+        out = PrefillState(cache, last_logits, num_new_b, tokens_bt.shape[1])
+        if not keep:
+            return out
+        return out, PrefillState(*copy, np.zeros((batch,), np.int32), 0)
 
     def generate(
         self,

@@ -155,18 +155,27 @@ def decode(
 def prefill_program(graphdef, mesh: Mesh | None, *, donate: bool):
     """`prefill` jitted over (params, cache, last_logits, tokens, num_new), per row replica.
 
-    `offset_bound` is a static keyword argument (default None: attend over the whole cache).
+    Static keyword arguments: `offset_bound` (default None: attend over the whole cache), and
+    `keep` (default False): also return a copy of the new (cache, last logits), made in the same
+    program, for a caller that hands the first to a donating `generate` and keeps the second.
+    Eagerly (`fork_rows`: some 20 dispatches of sharded ops) a tiny() batch of 16 rows took
+    16-34 ms to copy on 2 loaded CPU devices, against 2-3 ms for one jitted copy.
     """
 
-    def entry(params, cache, last_logits, tokens, num_new, *, offset_bound=None):
+    def entry(params, cache, last_logits, tokens, num_new, *, offset_bound=None, keep=False):
         impl = functools.partial(prefill, graphdef, offset_bound=offset_bound)
         if mesh is not None:
             rows = P(ROW_AXIS)
             impl = per_replica(impl, mesh, (P(), rows, rows, rows, rows), (rows, rows))
-        return impl(params, cache, last_logits, tokens, num_new)
+        out = impl(params, cache, last_logits, tokens, num_new)
+        if keep:
+            return out, jax.tree.map(jnp.copy, out)
+        return out
 
     return jax.jit(
-        entry, static_argnames=("offset_bound",), donate_argnames=("cache",) if donate else ()
+        entry,
+        static_argnames=("offset_bound", "keep"),
+        donate_argnames=("cache",) if donate else (),
     )
 
 

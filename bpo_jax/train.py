@@ -385,7 +385,14 @@ def reinforcement_learning(run: Run, state: RunState) -> RunState:
 
 def final_evaluation(run: Run, state: RunState) -> dict:
     """Evaluates after RL; returns the run's summary."""
-    run.evaluate("after_rl", "after RL", EVAL_SEEDS["after_rl"], state, current=True)
+    if "before_rl" in run.evals and run.evals.step_of("before_rl") == state.step:
+        # No update since "before RL" (train.iterations=0, a behaviour-cloning run): the same
+        # policy, so its records stand for "after RL" rather than playing every game again.
+        for name, result in list(run.evals.results.items()):
+            if name == "before_rl" or name.startswith("before_rl/"):
+                run.evals.record("after_rl" + name[len("before_rl") :], result, state.step)
+    else:
+        run.evaluate("after_rl", "after RL", EVAL_SEEDS["after_rl"], state, current=True)
     return {
         "eval_split": run.cfg.env.eval_split,
         "eval_tasks": sum(len(t) for t in run.eval_tasks.values()),

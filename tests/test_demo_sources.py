@@ -148,3 +148,14 @@ def test_a_run_clones_search_demos(tmp_path):
     assert summary["success_initial"] is None and summary["updates"] == 3
     assert summary["eval_tasks_per_split"] == {"dev": 1}
     assert [r["bc/loss"] for r in read_metrics(tmp_path) if "bc/loss" in r]
+
+
+def test_wilson_ci_matches_hand_computed_values():
+    from bpo_jax.stats import wilson_ci
+
+    # 10 of 50: the textbook Wilson interval [0.1124, 0.3304]; 0 of n: [0, z^2 / (n + z^2)].
+    assert wilson_ci(10, 50) == pytest.approx((0.11244, 0.33037), abs=1e-5)
+    assert wilson_ci(0, 55) == pytest.approx((0.0, 1.95996**2 / (55 + 1.95996**2)), abs=1e-6)
+    assert wilson_ci(55, 55)[1] == 1.0 and wilson_ci(0, 55)[0] == 0.0
+    with pytest.raises(ValueError, match="0 <= wins <= n"):
+        wilson_ci(3, 2)

@@ -5,6 +5,7 @@ Training (`bpo_jax.train`) and the gradient probe (`bpo_jax.probe`) build them t
 
 from __future__ import annotations
 
+import hashlib
 import random
 from pathlib import Path
 
@@ -19,13 +20,27 @@ from bpo_jax.policy import Policy
 from bpo_jax.tokenizer import load_tokenizer, train_sentencepiece
 
 
+def is_dev_task(task_id: str, dev_fraction: float) -> bool:
+    """Whether a training game is held out as a development game (`env.dev_fraction`).
+
+    Decided by the task id alone (its SHA-256 read as a number in [0, 1)), so a game's side
+    does not depend on the seed, the task types, or which other games exist.
+    """
+    if dev_fraction <= 0:
+        return False
+    digest = hashlib.sha256(task_id.encode()).digest()
+    return int.from_bytes(digest[:8], "big") / 2**64 < dev_fraction
+
+
 def select_tasks(cfg: ExperimentConfig):
     """Training tasks and evaluation tasks per split, chosen deterministically from the seed.
 
     Returns:
       (train, {split: tasks}). An evaluation split equal to the training split evaluates on the
-      first `eval.num_tasks` training tasks themselves (an in-distribution check); another
-      split gives its first `eval.num_tasks` games after a seeded shuffle (0 = all of them).
+      first `eval.num_tasks` training tasks themselves (an in-distribution check); the split
+      "dev" on the training games held out by `env.dev_fraction` (`is_dev_task`; they are never
+      among the training tasks); another split gives its first `eval.num_tasks` games after a
+      seeded shuffle (0 = all of them).
     """
     from envs.base import load_tasks
 
@@ -34,13 +49,17 @@ def select_tasks(cfg: ExperimentConfig):
     opts = dict(e.task_options)
     types = tuple(e.task_types) or None
     train = load_tasks(e.name, root, e.train_split, types, **opts)
+    dev = [t for t in train if is_dev_task(t.task_id, e.dev_fraction)]
+    train = [t for t in train if not is_dev_task(t.task_id, e.dev_fraction)]
     random.Random(cfg.seed).shuffle(train)
     if e.num_train_tasks:
         train = train[: e.num_train_tasks]
     n = cfg.eval.num_tasks or None
     evals = {}
     for split in e.eval_splits:
-        if split == e.train_split:
+        if split == "dev":
+            evals[split] = dev[:n]  # In task-id order: the same games whatever the seed.
+        elif split == e.train_split:
             evals[split] = train[:n]
         else:
             tasks = load_tasks(e.name, root, split, types, **opts)

@@ -28,6 +28,7 @@ from bpo_jax.branching import (
     ENTROPY_REDUCE,
     SELECTORS,
 )
+from bpo_jax.demos import DEMO_SOURCES, SEARCH_EXPERTS, search_expert_class
 from bpo_jax.estimators import NORMALIZE
 from bpo_jax.forest import STEP_WEIGHTINGS
 from bpo_jax.learner import LOSS_AGGS
@@ -176,11 +177,23 @@ class EnvSpec(_Spec):
     sandbox_backend: str = one_of(_sandbox_backends)
     task_options: Mapping[str, Any]  # Extra arguments of the environment's task loader.
     env_options: Mapping[str, Any]  # Extra arguments of the environment's constructor.
+    # The share of the training split held out as development games ("dev" in eval_split), by
+    # a hash of each task id (`bpo_jax.builders.is_dev_task`): never cloned nor trained on.
+    dev_fraction: float = dataclasses.field(
+        default=0.0, metadata={"check": _Check(lambda v: 0 <= v < 1, "must be in [0, 1)")}
+    )
 
     def _check_fields(self):
         splits = self.eval_splits
         if not splits or len(set(splits)) != len(splits):
             self._fail("eval_split", self.eval_split, "must name distinct splits, comma-separated")
+        if "dev" in splits and not self.dev_fraction > 0:
+            self._fail(
+                "eval_split",
+                self.eval_split,
+                "names the 'dev' split, which needs env.dev_fraction > 0 (the share of the "
+                "training games held out for it)",
+            )
 
     @property
     def eval_splits(self) -> tuple[str, ...]:
@@ -214,6 +227,12 @@ class BCSpec(_Spec):
     steps: int = at_least(0)
     batch_size: int = at_least(1)
     lr: float = positive()
+    # What is cloned: walkthrough (the games' planner plans) | search (the environment's
+    # searching demonstrator, which acts on the observations only; bpo_jax/demos.py).
+    demos: str = dataclasses.field(
+        default="walkthrough",
+        metadata={"check": _Check(lambda v: v in DEMO_SOURCES, f"must be one of {DEMO_SOURCES}")},
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -295,6 +314,7 @@ class EvalSpec(_Spec):
     num_tasks: int = at_least(0)  # Per split; 0 = every game of a held-out split.
     every: int = at_least(0)
     sampled: bool  # Also play one sampled (temperature) episode per task.
+    initial: bool = True  # Evaluate the policy before behaviour cloning too.
 
 
 @dataclasses.dataclass(frozen=True)
@@ -362,7 +382,25 @@ class ExperimentConfig:
                 f"config.bc.steps must be 0 with agent.format='chat' (behaviour cloning clones "
                 f"the tiny format's walkthrough actions), got {self.bc.steps!r}."
             )
+        if self.bc.demos == "search" and self.bc.steps:
+            self._check_search_demos()
         self.algorithm.check(self)
+
+    def _check_search_demos(self):
+        e = self.env
+        if e.name not in SEARCH_EXPERTS:
+            raise ValueError(
+                f"config.bc.demos='search' needs a searching demonstrator for env.name "
+                f"{e.name!r} (there are for: {sorted(SEARCH_EXPERTS)}), got {self.bc.demos!r}; "
+                "use bc.demos='walkthrough'."
+            )
+        supported = search_expert_class(e.name).task_types
+        if not e.task_types or not set(e.task_types) <= set(supported):
+            raise ValueError(
+                f"config.bc.demos='search' plays {e.name}'s searching demonstrator, which knows "
+                f"the task types {list(supported)} only; set env.task_types to some of them, got "
+                f"env.task_types={list(e.task_types)!r} (empty: all)."
+            )
 
     @property
     def algorithm(self):

@@ -1,4 +1,5 @@
-"""Expert demonstrations: the walkthroughs played through the sandboxes, as agent text.
+"""Expert demonstrations played through the sandboxes, as agent text: the games' walkthroughs, or
+an environment's searching demonstrator (`bc.demos`).
 
 Each demo is one episode's text in the agent's turn format, paired with the expert's actions,
 so behaviour cloning trains on exactly the prompts the agent will see. The demos are cached as
@@ -8,52 +9,132 @@ JSON in the run's working directory (a restarted run does not replay them).
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from bpo_jax.agent import EpisodeText, build_prompt, encode_prompt
 
+# Where behaviour cloning's demonstrations come from (`bc.demos`): the games' own walkthroughs
+# (the planner's, which knows the hidden state), or an environment's searching demonstrator,
+# which decides from the goal and the observations only (`SEARCH_EXPERTS`).
+DEMO_SOURCES = ("walkthrough", "search")
 
-def play_walkthroughs(pool, tasks: Sequence) -> list[dict]:
-    """Plays every task's walkthrough; returns [{task_id, first_obs, goal, actions, obs, won}]."""
+# Environment name -> "module:Class" of its searching demonstrator: built from
+# (first_observation, goal), with `act() -> str | None` and `observe(observation)`.
+SEARCH_EXPERTS = {"alfworld": "envs.alfworld.search_expert:SearchExpert"}
+
+# The cache file of each source in the run's workdir.
+_CACHE_NAMES = {"walkthrough": "expert_demos.json", "search": "search_demos.json"}
+
+
+class _Walkthrough:
+    """A task's walkthrough as an expert: its actions in order, whatever the game answers."""
+
+    def __init__(self, actions: Sequence[str]):
+        self._actions = list(actions)
+        self._t = 0
+
+    def act(self) -> str | None:
+        if self._t >= len(self._actions):
+            return None
+        self._t += 1
+        return self._actions[self._t - 1]
+
+    def observe(self, observation: str) -> None:
+        del observation  # A walkthrough does not look.
+
+
+def search_expert_class(env_name: str):
+    """The searching demonstrator class of `env_name` (`SEARCH_EXPERTS`)."""
+    import importlib
+
+    if env_name not in SEARCH_EXPERTS:
+        raise ValueError(
+            f"no searching demonstrator for environment {env_name!r}; known: "
+            f"{sorted(SEARCH_EXPERTS)} (use bc.demos='walkthrough')."
+        )
+    module, name = SEARCH_EXPERTS[env_name].split(":")
+    return getattr(importlib.import_module(module), name)
+
+
+def play_experts(pool, tasks: Sequence, make_expert: Callable) -> list[dict]:
+    """Plays one expert per task through the pool, all tasks stepping together.
+
+    `make_expert(task, first_obs, goal)` builds a task's expert; the episode ends when the game
+    does (a win or the step limit) or the expert has no action left. Returns
+    [{task_id, first_obs, goal, actions, observations, won}].
+    """
     resets = pool.reset_many(list(tasks))
-    demos = []
+    demos, experts = [], []
     for task, (_, obs, info) in zip(tasks, resets):
+        goal = info.get("goal")
         demos.append(
             {
                 "task_id": task.task_id,
                 "first_obs": obs,
-                "goal": info.get("goal"),
+                "goal": goal,
                 "actions": [],
                 "observations": [],
                 "won": False,
             }
         )
+        experts.append(make_expert(task, obs, goal))
     sids = [sid for sid, _, _ in resets]
     active = list(range(len(tasks)))
-    t = 0
     while active:
+        moves = [(i, experts[i].act()) for i in active]
+        for i, action in moves:
+            if action is None:
+                pool.close_sandbox(sids[i])
+        moves = [(i, a) for i, a in moves if a is not None]
         still = []
-        requests = [(sids[i], tasks[i].walkthrough[t]) for i in active]
-        for i, res in zip(active, pool.step_many(requests)):
-            demos[i]["actions"].append(tasks[i].walkthrough[t])
+        for (i, action), res in zip(moves, pool.step_many([(sids[i], a) for i, a in moves])):
+            demos[i]["actions"].append(action)
             demos[i]["observations"].append(res.observation)
-            if res.done or t + 1 >= len(tasks[i].walkthrough):
-                demos[i]["won"] = bool(res.info.get("won", False))
+            demos[i]["won"] = bool(res.info.get("won", False))
+            experts[i].observe(res.observation)
+            if res.done:
                 pool.close_sandbox(sids[i])
             else:
                 still.append(i)
         active = still
-        t += 1
     return demos
 
 
-def load_or_play(path: Path, pool, tasks: Sequence) -> list[dict]:
+def play_walkthroughs(pool, tasks: Sequence) -> list[dict]:
+    """Plays every task's walkthrough; returns [{task_id, first_obs, goal, actions, obs, won}]."""
+    return play_experts(pool, tasks, lambda task, obs, goal: _Walkthrough(task.walkthrough))
+
+
+def play_search(pool, tasks: Sequence, env_name: str) -> list[dict]:
+    """Plays `env_name`'s searching demonstrator on every task (same records as walkthroughs).
+
+    The expert is built from the first observation and the goal only, never from the task:
+    what it does in a game is a function of the text that game shows it.
+    """
+    cls = search_expert_class(env_name)
+    return play_experts(pool, tasks, lambda task, obs, goal: cls(obs, goal))
+
+
+def demos_path(workdir: Path, source: str) -> Path:
+    """The cache file of `source`'s demos in a run's workdir."""
+    return Path(workdir) / _CACHE_NAMES[source]
+
+
+def load_or_play(
+    path: Path, pool, tasks: Sequence, source: str = "walkthrough", env_name: str = ""
+) -> list[dict]:
+    """The demos cached at `path` if they cover exactly `tasks`, else plays and caches them."""
     if path.exists():
         demos = json.loads(path.read_text())
         if [d["task_id"] for d in demos] == [t.task_id for t in tasks]:
             return demos
-    demos = play_walkthroughs(pool, tasks)
+    if source == "walkthrough":
+        demos = play_walkthroughs(pool, tasks)
+    elif source == "search":
+        demos = play_search(pool, tasks, env_name)
+    else:
+        raise ValueError(f"unknown demo source {source!r}; expected one of {list(DEMO_SOURCES)}.")
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps(demos))
     tmp.replace(path)

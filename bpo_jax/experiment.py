@@ -128,11 +128,15 @@ def base_config(
     c.sampler.top_p = 1.0
     c.sampler.length_bucket = 64
 
-    # Behaviour cloning from the expert walkthroughs (starts the tiny policy; off for 7B/8B).
+    # Behaviour cloning from expert demos (starts the tiny policy; off for 7B/8B).
     c.bc = ml_collections.ConfigDict()
     c.bc.steps = 150 if cpu else 0
     c.bc.batch_size = 16
     c.bc.lr = 2e-3
+    # walkthrough: the games' own expert plans (the planner knows where everything is) |
+    # search: the environment's searching demonstrator, which decides from the observations
+    # only (ALFWorld; needs a longer env.max_steps to finish: docs/start_policy.md).
+    c.bc.demos = "walkthrough"
 
     # RL.
     c.train = ml_collections.ConfigDict()
@@ -223,6 +227,7 @@ def base_config(
     c.eval.num_tasks = eval_tasks  # Evaluation tasks (the first of the shuffled eval split).
     c.eval.every = 0  # Also evaluate every N iterations (0 = only before and after).
     c.eval.sampled = False  # Also one sampled episode per task (at sampler.temperature).
+    c.eval.initial = True  # Also evaluate the policy before behaviour cloning.
 
     # Checkpoints (Orbax) in <workdir>/checkpoints; a restarted run resumes from the latest.
     c.checkpoint = ml_collections.ConfigDict()

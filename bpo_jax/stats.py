@@ -41,6 +41,25 @@ def percentile_ci(samples: np.ndarray, level: float = 0.95) -> tuple[float, floa
     return float(lo), float(hi)
 
 
+def wilson_ci(wins: int, n: int, level: float = 0.95) -> tuple[float, float]:
+    """Wilson score interval of a success rate from `wins` of `n` episodes.
+
+    Unlike a bootstrap, it is not degenerate at 0 or n wins (0 of 55 games: [0, 0.065]),
+    which is where the start policy's evaluations sit.
+    """
+    if n <= 0 or not 0 <= wins <= n:
+        raise ValueError(f"a success CI needs 0 <= wins <= n and n > 0, got {wins} of {n}.")
+    from statistics import NormalDist
+
+    z = NormalDist().inv_cdf(0.5 + level / 2)
+    p = wins / n
+    centre = (p + z * z / (2 * n)) / (1 + z * z / n)
+    half = z / (1 + z * z / n) * np.sqrt(p * (1 - p) / n + z * z / (4 * n * n))
+    lo = 0.0 if wins == 0 else max(0.0, centre - half)
+    hi = 1.0 if wins == n else min(1.0, centre + half)
+    return float(lo), float(hi)
+
+
 def bootstrap_mean_ci(
     values,
     rng: np.random.Generator,

@@ -4,10 +4,10 @@
 the run's fixed parts (`Run`: tasks, pool, policy, updater, files) and its `RunState`, and
 returns the new state; every phase resumes from the latest checkpoint in
 `<workdir>/checkpoints`:
-  1. `setup`: expert demos (cached JSON) -> tokenizer (trained for the tiny policy) -> model ->
-     a fresh `RunState`, or the checkpointed one;
-  2. `behaviour_cloning`: greedy evaluation of the initial policy, then `bc.steps` steps of
-     cloning the walkthroughs (may be 0);
+  1. `setup`: expert demos (`bc.demos`, cached JSON) -> tokenizer (trained for the tiny
+     policy) -> model -> a fresh `RunState`, or the checkpointed one;
+  2. `behaviour_cloning`: greedy evaluation of the initial policy (unless `eval.initial` is
+     off), then `bc.steps` steps of cloning the demos (may be 0);
   3. `reinforcement_learning`: greedy evaluation "before RL", then `train.iterations`
      iterations (`bpo_jax.rl`);
   4. `final_evaluation`: greedy evaluation "after RL", and `summary.json`.
@@ -41,7 +41,7 @@ from bpo_jax.builders import (
 )
 from bpo_jax.checkpoint import Checkpointer
 from bpo_jax.config import ExperimentConfig, validate
-from bpo_jax.demos import bc_examples, load_or_play
+from bpo_jax.demos import bc_examples, demos_path, load_or_play
 from bpo_jax.evaluation import EVAL_SEEDS, EvalLog, evaluate, pooled
 from bpo_jax.metrics import MetricWriter, progress
 from bpo_jax.models import sharding
@@ -124,7 +124,13 @@ def open_run(cfg: ExperimentConfig, workdir: Path, raw_config=None):
                 )
                 needs_demos = (cfg.bc.steps > 0 and not cfg.init_from) or not has_tokenizer
                 demos = (
-                    load_or_play(workdir / "expert_demos.json", pool, train_tasks)
+                    load_or_play(
+                        demos_path(workdir, cfg.bc.demos),
+                        pool,
+                        train_tasks,
+                        cfg.bc.demos,
+                        cfg.env.name,
+                    )
                     if needs_demos
                     else []
                 )
@@ -258,7 +264,7 @@ def behaviour_cloning(run: Run, state: RunState) -> RunState:
     if state.phase != "bc":
         return state
     cfg = run.cfg
-    if state.meta["bc_step"] == 0:
+    if state.meta["bc_step"] == 0 and cfg.eval.initial:
         run.evaluate("initial", "initial", EVAL_SEEDS["initial"], state)
     if cfg.bc.steps:
         examples = bc_examples(
@@ -266,8 +272,8 @@ def behaviour_cloning(run: Run, state: RunState) -> RunState:
         )
         if not examples:
             raise RuntimeError(
-                f"No winning walkthrough to clone among the {cfg.env.name} training tasks: "
-                "check the environment's data root and task selection."
+                f"No winning {cfg.bc.demos} demo to clone among the {cfg.env.name} training "
+                "tasks: check the environment's data root, task selection and env.max_steps."
             )
         state = _clone(run, state, examples)
     # Fresh optimizer moments for RL; the KL reference is the policy RL starts from.
@@ -379,7 +385,14 @@ def reinforcement_learning(run: Run, state: RunState) -> RunState:
 
 def final_evaluation(run: Run, state: RunState) -> dict:
     """Evaluates after RL; returns the run's summary."""
-    run.evaluate("after_rl", "after RL", EVAL_SEEDS["after_rl"], state, current=True)
+    if "before_rl" in run.evals and run.evals.step_of("before_rl") == state.step:
+        # No update since "before RL" (train.iterations=0, a behaviour-cloning run): the same
+        # policy, so its records stand for "after RL" rather than playing every game again.
+        for name, result in list(run.evals.results.items()):
+            if name == "before_rl" or name.startswith("before_rl/"):
+                run.evals.record("after_rl" + name[len("before_rl") :], result, state.step)
+    else:
+        run.evaluate("after_rl", "after RL", EVAL_SEEDS["after_rl"], state, current=True)
     return {
         "eval_split": run.cfg.env.eval_split,
         "eval_tasks": sum(len(t) for t in run.eval_tasks.values()),

@@ -50,6 +50,9 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     # The tiny CPU policy learns the two task types with the shortest expert plans.
     c.env.task_types = ("look_at_obj_in_light", "pick_and_place_simple") if cpu else TASK_TYPES
     c.env.num_train_tasks = 24 if cpu else 0  # 0 = every game of the split.
+    # Share of the training games held out as development games (split "dev" in eval_split),
+    # by task id; for choosing settings without the held-out splits (docs/start_policy.md).
+    c.env.dev_fraction = 0.0
     c.env.max_steps = 12 if cpu else 50  # Episode step limit.
     # Subtracted for an unparseable action (the env's invalid_format_penalty, as verl-agent's 0.1
     # for badly formatted output). A command the game does not execute costs

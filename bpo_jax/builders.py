@@ -6,7 +6,8 @@ Training (`bpo_jax.train`) and the gradient probe (`bpo_jax.probe`) build them t
 from __future__ import annotations
 
 import random
-from pathlib import Path
+
+from etils import epath
 
 from bpo_jax import agent as agent_lib
 from bpo_jax import distributed
@@ -63,7 +64,7 @@ def make_pool(cfg: ExperimentConfig):
     )
 
 
-def build_tokenizer(cfg: ExperimentConfig, workdir: Path, demos):
+def build_tokenizer(cfg: ExperimentConfig, workdir: epath.Path, demos):
     """The configured tokenizer, the checkpoint's, or (tiny policy) one trained on the demos."""
     if cfg.model.tokenizer:
         return load_tokenizer(cfg.model.tokenizer)

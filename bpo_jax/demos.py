@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import json
 from collections.abc import Sequence
-from pathlib import Path
 
+from etils import epath
+
+from bpo_jax import files
 from bpo_jax.agent import EpisodeText, build_prompt, encode_prompt
 
 
@@ -48,15 +50,13 @@ def play_walkthroughs(pool, tasks: Sequence) -> list[dict]:
     return demos
 
 
-def load_or_play(path: Path, pool, tasks: Sequence) -> list[dict]:
+def load_or_play(path: epath.Path, pool, tasks: Sequence) -> list[dict]:
     if path.exists():
         demos = json.loads(path.read_text())
         if [d["task_id"] for d in demos] == [t.task_id for t in tasks]:
             return demos
     demos = play_walkthroughs(pool, tasks)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(demos))
-    tmp.replace(path)
+    files.write_text(path, json.dumps(demos))
     return demos
 
 

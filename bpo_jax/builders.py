@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import hashlib
 import random
-from pathlib import Path
+
+from etils import epath
 
 from bpo_jax import agent as agent_lib
 from bpo_jax import distributed
@@ -82,7 +83,7 @@ def make_pool(cfg: ExperimentConfig):
     )
 
 
-def build_tokenizer(cfg: ExperimentConfig, workdir: Path, demos):
+def build_tokenizer(cfg: ExperimentConfig, workdir: epath.Path, demos):
     """The configured tokenizer, the checkpoint's, or (tiny policy) one trained on the demos."""
     if cfg.model.tokenizer:
         return load_tokenizer(cfg.model.tokenizer)

@@ -25,15 +25,18 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import re
 import shutil
-from pathlib import Path
 from types import TracebackType
 from typing import Any
 
 import jax
 import orbax.checkpoint as ocp
+from etils import epath
 from jax.sharding import NamedSharding, SingleDeviceSharding
+
+from bpo_jax import files
 
 PyTree = Any
 
@@ -47,7 +50,7 @@ _DAMAGE = re.compile(r"DATA_LOSS|OUT_OF_RANGE|Error decoding|Error reading|not v
 class CheckpointDamagedError(ValueError):
     """A checkpoint step whose files cannot be read (truncated, garbled); names step and file."""
 
-    def __init__(self, step: int, directory: Path, file: str, cause: str):
+    def __init__(self, step: int, directory: epath.Path, file: str, cause: str):
         self.step, self.file = step, file
         super().__init__(f"checkpoint step {step} in {directory} is damaged ({file}: {cause})")
 
@@ -63,7 +66,7 @@ def _first_line(text: str, limit: int = 300) -> str:
     return line if len(line) <= limit else line[: limit - 3] + "..."
 
 
-def _damage(step_dir: Path, error: BaseException) -> tuple[str, str] | None:
+def _damage(step_dir: epath.Path, error: BaseException) -> tuple[str, str] | None:
     """(file, one-line cause) when `error` comes from damaged files, else None."""
     chain = list(_causes(error))
     decode = next((c for c in chain if isinstance(c, json.JSONDecodeError)), None)
@@ -72,8 +75,8 @@ def _damage(step_dir: Path, error: BaseException) -> tuple[str, str] | None:
         return None
     if decode is not None:
         # Orbax does not say which JSON file it was reading: find the one that does not parse.
-        for path in sorted(step_dir.rglob("*")):
-            if path.is_file() and not path.name.endswith(".ocdbt") and "/d/" not in str(path):
+        for path in files.iter_files(step_dir):
+            if not path.name.endswith(".ocdbt") and "/d/" not in str(path):
                 try:
                     json.loads(path.read_bytes() or b"null")
                 except (ValueError, UnicodeDecodeError):
@@ -198,7 +201,8 @@ class Checkpointer:
     before reading the files from elsewhere, and `close()` at the end of the run.
 
     Args:
-      directory: Where step subdirectories go; made absolute. It is created on the first
+      directory: Where step subdirectories go: a local folder (made absolute) or a bucket URL
+        (`gs://...`, kept as it is; see `bpo_jax.files`). It is created on the first
         save, not here, so a mistyped path given only for restoring fails loudly.
       max_to_keep: How many most recent checkpoints to keep; None keeps all.
       save_interval_steps: `save` writes steps that are multiples of this. Orbax also always
@@ -212,7 +216,7 @@ class Checkpointer:
 
     def __init__(
         self,
-        directory: str | Path,
+        directory: str | os.PathLike,
         max_to_keep: int | None = 3,
         save_interval_steps: int = 1,
         *,
@@ -222,7 +226,7 @@ class Checkpointer:
             raise ValueError(f"max_to_keep must be >= 1 or None (keep all), got {max_to_keep}.")
         if save_interval_steps < 1:
             raise ValueError(f"save_interval_steps must be >= 1, got {save_interval_steps}.")
-        self.directory = Path(directory).expanduser().absolute()
+        self.directory = files.as_path(directory)
         options = ocp.CheckpointManagerOptions(
             max_to_keep=max_to_keep,
             save_interval_steps=save_interval_steps,
@@ -375,8 +379,14 @@ class Checkpointer:
         target = self.directory.parent / f"{self.directory.name}_damaged" / str(step)
         target.parent.mkdir(parents=True, exist_ok=True)
         if target.exists():
-            shutil.rmtree(target)
-        shutil.move(str(self.directory / str(step)), str(target))
+            target.rmtree()
+        source = self.directory / str(step)
+        if files.is_remote(source):  # A bucket renames object by object: copy, then delete.
+            for path in files.iter_files(source):
+                files.copy(path, target / path.relative_to(source))
+            source.rmtree()
+        else:
+            shutil.move(source, target)
         self._manager.reload()
 
     def wait(self) -> None:

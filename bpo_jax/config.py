@@ -14,11 +14,11 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Callable, Iterable, Mapping
-from pathlib import Path
 from typing import Any, ClassVar
 
 import jax.numpy as jnp
 
+from bpo_jax import files
 from bpo_jax.agent import AGENT_FORMATS
 from bpo_jax.algorithms import ALGORITHMS
 from bpo_jax.branching import (
@@ -357,7 +357,7 @@ class ExperimentConfig:
     def __post_init__(self):
         if self.log_every < 1:
             raise ValueError(f"config.log_every must be >= 1, got {self.log_every!r}.")
-        if self.init_from and not (Path(self.init_from) / "checkpoints").is_dir():
+        if self.init_from and not (files.as_path(self.init_from) / "checkpoints").is_dir():
             raise ValueError(
                 f"config.init_from must be a run's workdir with a checkpoints/ folder (e.g. a "
                 f"behaviour-cloning run with train.iterations=0), got {self.init_from!r}."

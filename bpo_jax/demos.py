@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable, Sequence
-from pathlib import Path
 
+from etils import epath
+
+from bpo_jax import files
 from bpo_jax.agent import EpisodeText, build_prompt, encode_prompt
 
 # Where behaviour cloning's demonstrations come from (`bc.demos`): the games' own walkthroughs
@@ -116,13 +118,13 @@ def play_search(pool, tasks: Sequence, env_name: str) -> list[dict]:
     return play_experts(pool, tasks, lambda task, obs, goal: cls(obs, goal))
 
 
-def demos_path(workdir: Path, source: str) -> Path:
+def demos_path(workdir, source: str) -> epath.Path:
     """The cache file of `source`'s demos in a run's workdir."""
-    return Path(workdir) / _CACHE_NAMES[source]
+    return files.as_path(workdir) / _CACHE_NAMES[source]
 
 
 def load_or_play(
-    path: Path, pool, tasks: Sequence, source: str = "walkthrough", env_name: str = ""
+    path: epath.Path, pool, tasks: Sequence, source: str = "walkthrough", env_name: str = ""
 ) -> list[dict]:
     """The demos cached at `path` if they cover exactly `tasks`, else plays and caches them."""
     if path.exists():
@@ -135,9 +137,7 @@ def load_or_play(
         demos = play_search(pool, tasks, env_name)
     else:
         raise ValueError(f"unknown demo source {source!r}; expected one of {list(DEMO_SOURCES)}.")
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(demos))
-    tmp.replace(path)
+    files.write_text(path, json.dumps(demos))
     return demos
 
 

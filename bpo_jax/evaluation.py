@@ -15,11 +15,11 @@ from __future__ import annotations
 import json
 import logging
 import time
-from pathlib import Path
 
 import numpy as np
+from etils import epath
 
-from bpo_jax import distributed
+from bpo_jax import distributed, files
 from bpo_jax.builders import make_agent
 from bpo_jax.metrics import MetricWriter, progress
 from bpo_jax.rollout import play
@@ -108,7 +108,7 @@ def pooled(results: list[dict]) -> dict:
 class EvalLog:
     """Evaluation results of this run, persisted to `evals.json` as they come."""
 
-    def __init__(self, path: Path, resume: bool, writer: MetricWriter, splits=()):
+    def __init__(self, path: epath.Path, resume: bool, writer: MetricWriter, splits=()):
         self.path = path
         self.splits = tuple(splits)  # An evaluation counts as recorded once all splits are.
         self.writer = writer
@@ -131,9 +131,7 @@ class EvalLog:
         result = {**result, "eval/update_step": int(step)}
         self.results[name] = result
         if distributed.is_lead():  # Every host holds the same results; one writes them.
-            tmp = self.path.with_suffix(".tmp")
-            tmp.write_text(json.dumps(self.results, indent=2))
-            tmp.replace(self.path)
+            files.write_text(self.path, json.dumps(self.results, indent=2))
         scalars = {k: v for k, v in result.items() if not isinstance(v, list)}
         prefix = "eval_" + name.replace("/", "_")
         self.writer.write(step, {k.replace("eval/", f"{prefix}/"): v for k, v in scalars.items()})

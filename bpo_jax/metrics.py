@@ -3,21 +3,30 @@
 `metrics.jsonl` is the record of truth: one line per `MetricWriter.write`, flushed at once, so a
 killed run keeps everything it logged and plotting scripts need nothing but `read_metrics`.
 TensorBoard is a convenience view of the same scalars.
+
+The workdir may be a bucket (`gs://`, see `bpo_jax.files`). An object cannot be appended to, so
+there both files are kept in memory and each write uploads them whole (one upload: a reader sees
+the file before or after the write, never part of it). Metrics are small (kilobytes a step);
+tensorboardX's own GCS writer works the same way.
 """
 
 from __future__ import annotations
 
+import io
 import json
 import numbers
+import os
 import sys
 import time
 from collections.abc import Iterable, Mapping
-from pathlib import Path
 from types import TracebackType
 from typing import Any, TypeVar
 
 import numpy as np
 import tqdm
+from etils import epath
+
+from bpo_jax import files
 
 METRICS_FILE = "metrics.jsonl"
 TB_DIR = "tb"
@@ -71,18 +80,27 @@ class MetricWriter:
         writer.write(step, {"loss": loss, "reward/mean": reward.mean()})
     """
 
-    def __init__(self, workdir: str | Path, use_tensorboard: bool = True, *, enabled: bool = True):
-        self.workdir = Path(workdir).expanduser().absolute()
+    def __init__(
+        self, workdir: str | os.PathLike, use_tensorboard: bool = True, *, enabled: bool = True
+    ):
+        self.workdir = files.as_path(workdir)
         self.enabled = enabled
         self._file = None
         self._tb = None
         if not enabled:
             return
         self.workdir.mkdir(parents=True, exist_ok=True)
-        self._file = (self.workdir / METRICS_FILE).open("a", encoding="utf-8")
+        path = self.workdir / METRICS_FILE
+        if files.is_remote(path):
+            self._file = _RewrittenObject(path, keep=True)
+        else:
+            self._file = path.open("a", encoding="utf-8")
         if use_tensorboard:
             # Imported here so runs without TensorBoard do not pay for protobuf at import time.
             from tensorboardX import SummaryWriter
+
+            if files.is_remote(self.workdir):
+                _register_tensorboard_scheme(os.fspath(self.workdir).split(":")[0])
 
             self._tb = SummaryWriter(str(self.workdir / TB_DIR))
 
@@ -142,7 +160,7 @@ class MetricWriter:
         self.close()
 
 
-def read_metrics(workdir: str | Path) -> list[dict[str, Any]]:
+def read_metrics(workdir: str | os.PathLike) -> list[dict[str, Any]]:
     """Reads every record from `<workdir>/metrics.jsonl`, in file order.
 
     A last line cut short by a kill mid-write is dropped; a malformed line anywhere else raises.
@@ -157,7 +175,7 @@ def read_metrics(workdir: str | Path) -> list[dict[str, Any]]:
       FileNotFoundError: If there is no metrics file.
       ValueError: If a line other than the last is not valid JSON.
     """
-    path = Path(workdir).expanduser().absolute() / METRICS_FILE
+    path = files.as_path(workdir) / METRICS_FILE
     if not path.is_file():
         raise FileNotFoundError(f"no metrics file at {path}; was MetricWriter given {workdir}?")
     lines = path.read_text(encoding="utf-8").splitlines()
@@ -172,6 +190,43 @@ def read_metrics(workdir: str | Path) -> list[dict[str, Any]]:
                 break
             raise ValueError(f"{path} line {i + 1} is not valid JSON ({e}): {line[:200]!r}") from e
     return records
+
+
+class _RewrittenObject:
+    """A text file in a bucket that is written as a whole: `write` adds to memory, `flush`
+    uploads everything written so far (with `keep`, after what the object already held)."""
+
+    def __init__(self, path: epath.Path, keep: bool = False):
+        self.path = path
+        self._data = io.BytesIO()
+        if keep and path.exists():
+            self._data.write(path.read_bytes())
+
+    def write(self, data: str | bytes) -> None:
+        self._data.write(data.encode("utf-8") if isinstance(data, str) else data)
+
+    def flush(self) -> None:
+        files.write_bytes(self.path, self._data.getvalue())
+
+    def close(self) -> None:
+        self.flush()
+
+
+class _TensorBoardObjects:
+    """tensorboardX's writer factory for a bucket scheme, through epath (its own needs the
+    google-cloud-storage client): each events file is a `_RewrittenObject`."""
+
+    def open(self, path: str) -> _RewrittenObject:
+        return _RewrittenObject(epath.Path(path))
+
+    def directory_check(self, path: str) -> None:
+        del path  # A bucket has no folders to make.
+
+
+def _register_tensorboard_scheme(scheme: str) -> None:
+    from tensorboardX import record_writer
+
+    record_writer.register_writer_factory(scheme, _TensorBoardObjects())
 
 
 def progress(

@@ -39,14 +39,13 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 
-from bpo_jax import learner, stats
+from bpo_jax import files, learner, stats
 from bpo_jax.algorithms import ALGORITHMS
 from bpo_jax.builders import make_agent, make_critic
 from bpo_jax.config import ExperimentConfig
@@ -359,7 +358,7 @@ def main(argv):
     absl_logging.set_verbosity(absl_logging.WARNING)  # Orbax logs every checkpoint operation.
     f = flags.FLAGS
     cfg = validate(f.config)
-    workdir = Path(f.workdir).absolute()
+    workdir = files.as_path(f.workdir)
     algos = [a.strip() for a in f.algos.split(",") if a.strip()]
     train_tasks, _ = builders.select_tasks(cfg)
     tasks = train_tasks[: cfg.train.tasks_per_iter]
@@ -399,7 +398,7 @@ def main(argv):
         "results": results,
         "warnings": warnings,
     }
-    (workdir / "probe.json").write_text(json.dumps(out, indent=2))
+    files.write_text(workdir / "probe.json", json.dumps(out, indent=2))
     writer = MetricWriter(workdir)
     for algo in algos[1:]:
         lo, hi = results[algo]["trace_var_ratio_ci95"]

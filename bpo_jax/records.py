@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import re
 from collections.abc import Sequence
-from pathlib import Path
 
 import numpy as np
+from etils import epath
 
+from bpo_jax import files
 from bpo_jax.metrics import METRICS_FILE, read_metrics
 
 _SEED_DIR = re.compile(r"seed_\d+")
@@ -25,7 +27,7 @@ _ITER = re.compile(r"iter_(\d+)")
 class RunRecord:
     """One run's record, as read from its folder."""
 
-    path: Path
+    path: epath.Path
     group: str  # The row of the tables: algorithm, or `<algo>_<ablation>` for a sweep's ablation.
     seed: int
     config: dict
@@ -157,15 +159,16 @@ class RunRecord:
         return [float(m[key]) for m in self.metrics if key in m]
 
 
-def _load_json(path: Path):
+def _load_json(path: epath.Path):
     try:
         return json.loads(path.read_text())
     except json.JSONDecodeError as e:
         raise ValueError(f"{path} is not valid JSON ({e}); is the run still writing it?") from e
 
 
-def read_run(run_dir: Path) -> RunRecord:
+def read_run(run_dir: str | os.PathLike) -> RunRecord:
     """Reads the record in `run_dir` (config.json and summary.json required)."""
+    run_dir = files.as_path(run_dir)
     config = _load_json(run_dir / "config.json")
     name = run_dir.name
     group = run_dir.parent.name if _SEED_DIR.fullmatch(name) else None
@@ -183,20 +186,22 @@ def read_run(run_dir: Path) -> RunRecord:
     )
 
 
-def find_runs(root: str | Path) -> list[RunRecord]:
+def find_runs(root: str | os.PathLike) -> list[RunRecord]:
     """Every run record under `root` (recursively), sorted by group and seed.
 
     Raises:
       ValueError: no run under `root`, or two runs of one group with the same seed.
     """
-    root = Path(root)
+    root = files.as_path(root)
     dirs = sorted(
-        p.parent for p in root.rglob("config.json") if (p.parent / "summary.json").is_file()
+        p.parent
+        for p in files.iter_files(root)
+        if p.name == "config.json" and (p.parent / "summary.json").is_file()
     )
     if not dirs:
         raise ValueError(f"no run records (config.json + summary.json) under {root}.")
     runs = [read_run(d) for d in dirs]
-    seen: dict[tuple[str, int], Path] = {}
+    seen: dict[tuple[str, int], epath.Path] = {}
     for r in runs:
         key = (r.group, r.seed)
         if key in seen:

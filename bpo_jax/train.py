@@ -20,16 +20,17 @@ import contextlib
 import dataclasses
 import json
 import logging
-import shutil
+import os
 import tempfile
 from pathlib import Path
 from typing import Any
 
 import jax
 import numpy as np
+from etils import epath
 from flax import nnx
 
-from bpo_jax import distributed, learner
+from bpo_jax import distributed, files, learner
 from bpo_jax.algorithms import get_algorithm
 from bpo_jax.builders import (
     build_model,
@@ -57,7 +58,7 @@ class Run:
     """What a run builds once and every phase reads: fixed for the run's lifetime."""
 
     cfg: ExperimentConfig
-    workdir: Path
+    workdir: epath.Path  # Local (absolute) or a bucket URL: `bpo_jax.files`.
     pool: Any
     train_tasks: list
     eval_tasks: dict  # split -> tasks
@@ -97,12 +98,13 @@ class Run:
 
 
 @contextlib.contextmanager
-def open_run(cfg: ExperimentConfig, workdir: Path, raw_config=None):
+def open_run(cfg: ExperimentConfig, workdir: epath.Path, raw_config=None):
     """Builds the run's fixed parts; closes the pool, the writer and the checkpointer on exit."""
+    workdir = files.as_path(workdir)
     workdir.mkdir(parents=True, exist_ok=True)
     lead = distributed.is_lead()  # Process 0 writes the run's files (Orbax: checkpoints, all).
     if raw_config is not None and lead:
-        (workdir / "config.json").write_text(json.dumps(raw_config, indent=2, default=str))
+        files.write_text(workdir / "config.json", json.dumps(raw_config, indent=2, default=str))
     mesh = sharding.make_mesh(cfg.mesh.axes, dcn_data=cfg.mesh.dcn_data)
     train_tasks, eval_tasks = select_tasks(cfg)
     log.info(
@@ -117,7 +119,7 @@ def open_run(cfg: ExperimentConfig, workdir: Path, raw_config=None):
             demos = None
             if lead:
                 if cfg.init_from:
-                    _adopt_tokenizer(Path(cfg.init_from), workdir)
+                    _adopt_tokenizer(files.as_path(cfg.init_from), workdir)
                 has_tokenizer = (
                     bool(cfg.model.tokenizer or cfg.model.hf_checkpoint)
                     or (workdir / "tokenizer.model").exists()
@@ -172,7 +174,7 @@ def open_run(cfg: ExperimentConfig, workdir: Path, raw_config=None):
         ckpt.close()
 
 
-def _shared_tokenizer(cfg: ExperimentConfig, workdir: Path, demos):
+def _shared_tokenizer(cfg: ExperimentConfig, workdir: epath.Path, demos):
     """The run's tokenizer: the configured one, or the one process 0 trained (or found) in the
     workdir, sent to the other processes rather than written by them."""
     if distributed.process_count() == 1 or cfg.model.tokenizer or cfg.model.hf_checkpoint:
@@ -187,11 +189,11 @@ def _shared_tokenizer(cfg: ExperimentConfig, workdir: Path, demos):
     return load_tokenizer(path)
 
 
-def _adopt_tokenizer(source: Path, workdir: Path) -> None:
+def _adopt_tokenizer(source: epath.Path, workdir: epath.Path) -> None:
     """Copies the source run's trained tokenizer (`init_from`): its policy's ids mean its tokens."""
     for name in ("tokenizer.model", "tokenizer.vocab"):
         if (source / name).exists() and not (workdir / name).exists():
-            shutil.copyfile(source / name, workdir / name)
+            files.copy(source / name, workdir / name)
 
 
 def _init_from(run: Run, state: RunState, mcfg) -> RunState:
@@ -203,7 +205,7 @@ def _init_from(run: Run, state: RunState, mcfg) -> RunState:
     Only those two facts are read from the source's config, so a run made by an older version
     (with fewer config fields) still works.
     """
-    source = Path(run.cfg.init_from)
+    source = files.as_path(run.cfg.init_from)
     src_train = json.loads((source / "config.json").read_text()).get("train", {})
     src_algo = get_algorithm(src_train.get("algo", "grpo"))
     critic = None
@@ -407,10 +409,11 @@ def final_evaluation(run: Run, state: RunState) -> dict:
     }
 
 
-def train_and_evaluate(config, workdir: str | Path) -> dict:
-    """Runs (or resumes) an experiment in `workdir`; returns the summary dict."""
+def train_and_evaluate(config, workdir: str | os.PathLike) -> dict:
+    """Runs (or resumes) an experiment in `workdir` (a local folder or a `gs://` URL); returns the
+    summary dict."""
     cfg = validate(config)
-    workdir = Path(workdir).absolute()
+    workdir = files.as_path(workdir)
     raw = config.to_dict() if hasattr(config, "to_dict") else dict(config)
     with open_run(cfg, workdir, raw) as (run, mcfg, params):
         state = setup(run, mcfg, params)
@@ -419,5 +422,5 @@ def train_and_evaluate(config, workdir: str | Path) -> dict:
         state = reinforcement_learning(run, state)
         summary = final_evaluation(run, state)
     if distributed.is_lead():
-        (workdir / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
+        files.write_text(workdir / "summary.json", json.dumps(summary, indent=2, default=str))
     return summary

@@ -6,16 +6,17 @@ stores `nn.Linear` weights as [out, in] with heads flattened into the out dimens
 fused for speed: `qkv_proj` (and `qkv_bias`) holds q_proj, k_proj and v_proj, grouped by KV
 head, and `gate_up_proj` holds gate_proj and up_proj (see `tensor_map`).
 
-Loading streams one parameter at a time: its tensor(s) are read from the safetensors files into
-host memory, rearranged (a numpy view, or one concatenation for a fused parameter), and each
-device receives only its own slice, already cast, via `jax.make_array_from_callback`. No
-parameter is assembled whole on a device, and host memory holds one parameter at a time (at
-most the embedding, ~1 GB for a 7B model in bf16).
+Loading reads, for each parameter, only the slices this process's devices hold: every
+parameter is built with `jax.make_array_from_callback`, whose callback maps the device's slice
+of our layout back to the blocks of the checkpoint tensors it comes from (through the
+transposes, reshapes and concatenations of `tensor_map`) and reads just those byte ranges
+(`safetensors_slices`). On a pod with FSDP, each host reads its share of the checkpoint, not all
+of it, and host memory holds at most one parameter's local slices. The checkpoint may be a local
+folder or a `gs://` one (read through `etils.epath`).
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import json
 import os
@@ -25,13 +26,15 @@ import jax
 import jax.numpy as jnp
 import ml_dtypes  # noqa: F401  (registers bfloat16 with numpy, which safetensors' "np" reader needs)
 import numpy as np
+from etils import epath
 from flax import nnx
 from jax.sharding import Mesh
-from safetensors import safe_open
 
+from bpo_jax import files
 from bpo_jax.models.config import ModelConfig, RopeScaling
 from bpo_jax.models.factory import abstract_model, param_specs
 from bpo_jax.models.llama import Transformer
+from bpo_jax.models.safetensors_slices import Piece, SafetensorsFile, read_region
 
 SUPPORTED_MODEL_TYPES = ("qwen2", "llama")
 
@@ -151,7 +154,8 @@ class _Entry:
 
     Most parameters are one checkpoint tensor, transposed and reshaped. The fused ones are
     several: `qkv_proj` (and `qkv_bias`) holds q_proj, k_proj and v_proj, `gate_up_proj` holds
-    gate_proj and up_proj.
+    gate_proj and up_proj. `pieces` and `axis` say the same as `to_ours` in the form the
+    loader reads slices by: the parameter is `np.concatenate([view of each piece], axis)`.
     """
 
     path: tuple[str | int, ...]
@@ -159,6 +163,8 @@ class _Entry:
     hf_shapes: tuple[tuple[int, ...], ...]
     to_ours: Callable[..., np.ndarray]  # the tensors of hf_names, in order -> our parameter
     to_hf: Callable[[np.ndarray], tuple[np.ndarray, ...]]  # the inverse
+    pieces: tuple[Piece, ...]
+    axis: int = 0
 
 
 def _identity(x):
@@ -169,8 +175,12 @@ def _transpose(x):
     return x.T
 
 
-def _single(path, hf_name, hf_shape, to_ours, to_hf) -> _Entry:
-    return _Entry(path, (hf_name,), (hf_shape,), to_ours, lambda p: (to_hf(p),))
+def _single(path, hf_name, hf_shape, to_ours, to_hf, piece_shape=None) -> _Entry:
+    transposed = to_ours is not _identity
+    if piece_shape is None:
+        piece_shape = tuple(reversed(hf_shape)) if transposed else hf_shape
+    piece = Piece(hf_name, transposed, piece_shape)
+    return _Entry(path, (hf_name,), (hf_shape,), to_ours, lambda p: (to_hf(p),), (piece,))
 
 
 def tensor_map(cfg: ModelConfig) -> list[_Entry]:
@@ -242,14 +252,25 @@ def tensor_map(cfg: ModelConfig) -> list[_Entry]:
                 ((h * e, d), (k * e, d), (k * e, d)),
                 qkv_in,
                 qkv_out,
+                (
+                    Piece(attn + "q_proj.weight", True, (d, k, g, e)),
+                    Piece(attn + "k_proj.weight", True, (d, k, 1, e)),
+                    Piece(attn + "v_proj.weight", True, (d, k, 1, e)),
+                ),
+                2,
             ),
-            _single(at + ("o_proj",), attn + "o_proj.weight", (d, h * e), o_in, o_out),
+            _single(at + ("o_proj",), attn + "o_proj.weight", (d, h * e), o_in, o_out, (h, e, d)),
             _Entry(
                 ("layers", i, "mlp", "gate_up_proj"),
                 (pre + "mlp.gate_proj.weight", pre + "mlp.up_proj.weight"),
                 ((f, d), (f, d)),
                 gate_up_in,
                 gate_up_out,
+                (
+                    Piece(pre + "mlp.gate_proj.weight", True, (d, 1, f)),
+                    Piece(pre + "mlp.up_proj.weight", True, (d, 1, f)),
+                ),
+                1,
             ),
             _single(("layers", i, "mlp", "down_proj"), pre + "mlp.down_proj.weight", (d, f), *t),
         ]
@@ -261,6 +282,12 @@ def tensor_map(cfg: ModelConfig) -> list[_Entry]:
                     ((h * e,), (k * e,), (k * e,)),
                     bias_in,
                     bias_out,
+                    (
+                        Piece(attn + "q_proj.bias", False, (k, g, e)),
+                        Piece(attn + "k_proj.bias", False, (k, 1, e)),
+                        Piece(attn + "v_proj.bias", False, (k, 1, e)),
+                    ),
+                    1,
                 )
             )
     entries.append(_single(("norm", "weight"), "model.norm.weight", (d,), *same))
@@ -272,19 +299,18 @@ def tensor_map(cfg: ModelConfig) -> list[_Entry]:
 # ----------------------------------------------------------------------------- loading
 
 
-def _checkpoint_files(path: str) -> list[str]:
+def _checkpoint_files(path: epath.Path) -> list[epath.Path]:
     """The safetensors files of a checkpoint directory (one file, or the shards of an index)."""
-    index = os.path.join(path, "model.safetensors.index.json")
-    single = os.path.join(path, "model.safetensors")
-    if os.path.exists(index):
-        with open(index) as fh:
-            weight_map = json.load(fh)["weight_map"]
-        return [os.path.join(path, name) for name in sorted(set(weight_map.values()))]
-    if os.path.exists(single):
+    index = path / "model.safetensors.index.json"
+    single = path / "model.safetensors"
+    if index.exists():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        return [path / name for name in sorted(set(weight_map.values()))]
+    if single.exists():
         return [single]
     raise FileNotFoundError(
-        f"No model.safetensors or model.safetensors.index.json in {path!r}; save the model with "
-        "save_pretrained(..., safe_serialization=True)."
+        f"No model.safetensors or model.safetensors.index.json in {str(path)!r}; save the model "
+        "with save_pretrained(..., safe_serialization=True)."
     )
 
 
@@ -294,14 +320,47 @@ def _is_ignored(name: str, cfg: ModelConfig) -> bool:
     return name.endswith(_IGNORED_SUFFIXES) or (cfg.tie_embeddings and name == "lm_head.weight")
 
 
-def _place(value: np.ndarray, dtype, sharding) -> jax.Array:
-    """Puts a host array on device(s), each device receiving only its slice, cast to `dtype`."""
+def slice_reader(
+    entry: _Entry, shape, dtype, handles: dict[str, SafetensorsFile]
+) -> Callable[[tuple[slice, ...]], np.ndarray]:
+    """The callback `jax.make_array_from_callback` calls per local device: index -> that slice
+    of the parameter, read from the checkpoint (only the blocks it covers) and cast to `dtype`.
+
+    Devices holding the same slice (replicas) share one read.
+
+    Args:
+      entry: The parameter's `tensor_map` entry.
+      shape: Its shape (ours).
+      dtype: Its storage dtype.
+      handles: The open file of each of `entry.hf_names`.
+    """
     np_dtype = np.dtype(dtype)
+    tensors = {name: handles[name].tensors[name] for name in entry.hf_names}
+
+    def read(name, rows, cols):
+        return handles[name].read_block(name, rows, cols)
+
+    done: dict[tuple, np.ndarray] = {}
+
+    def local_slice(index: tuple[slice, ...]) -> np.ndarray:
+        key = tuple(s.indices(n)[:2] for s, n in zip(index, shape))
+        if key not in done:
+            value = read_region(entry.pieces, entry.axis, index, tensors, read)
+            done[key] = np.ascontiguousarray(value, dtype=np_dtype)
+        return done[key]
+
+    return local_slice
+
+
+def load_param(
+    entry: _Entry, shape, dtype, sharding, handles: dict[str, SafetensorsFile]
+) -> jax.Array:
+    """One parameter on its devices (`sharding`; None: the default device), this process
+    reading only the slices of its own devices (see `slice_reader`)."""
+    local_slice = slice_reader(entry, shape, dtype, handles)
     if sharding is None:
-        return jax.device_put(np.ascontiguousarray(value, dtype=np_dtype))
-    return jax.make_array_from_callback(
-        value.shape, sharding, lambda idx: np.ascontiguousarray(value[idx], dtype=np_dtype)
-    )
+        return jax.device_put(local_slice(tuple(slice(None) for _ in shape)))
+    return jax.make_array_from_callback(tuple(shape), sharding, local_slice)
 
 
 def load_hf_checkpoint(
@@ -317,9 +376,9 @@ def load_hf_checkpoint(
 
     Args:
       path: directory holding `config.json` and `model.safetensors` (or the shards named by
-        `model.safetensors.index.json`).
+        `model.safetensors.index.json`): a local folder or a bucket URL (`gs://...`).
       mesh: optional device mesh; parameters are then sharded by their logical axes as they are
-        loaded.
+        loaded, and this process reads only the slices its own devices hold.
       rules: logical-axis rules (default: `sharding.current_rules()`).
       dtype: compute dtype (default: the checkpoint's dtype, else float32).
       param_dtype: storage dtype of the parameters (default: the checkpoint's dtype).
@@ -332,60 +391,62 @@ def load_hf_checkpoint(
       ValueError: when a tensor is missing, unexpected or of the wrong shape (all checked from the
         file headers before any tensor is read), or the architecture is unsupported.
     """
-    path = os.fspath(path)
-    with open(os.path.join(path, "config.json")) as fh:
-        hf_config = json.load(fh)
+    path = files.as_path(path)
+    hf_config = json.loads((path / "config.json").read_text())
     overrides = {"dtype": dtype, "param_dtype": param_dtype, "max_seq_len": max_seq_len}
     cfg = config_from_hf(hf_config, **{k: v for k, v in overrides.items() if v is not None})
 
     entries = tensor_map(cfg)
     shapes = {n: shape for e in entries for n, shape in zip(e.hf_names, e.hf_shapes)}
-    files = _checkpoint_files(path)
-    located: dict[str, str] = {}
-    for file in files:
-        with safe_open(file, framework="np") as f:
-            for name in f.keys():
+    opened = [SafetensorsFile(file) for file in _checkpoint_files(path)]
+    try:
+        handles: dict[str, SafetensorsFile] = {}
+        for f in opened:
+            for name, info in f.tensors.items():
                 if _is_ignored(name, cfg):
                     continue
-                shape = tuple(f.get_slice(name).get_shape())
                 if name not in shapes:
                     raise ValueError(
-                        f"Unexpected tensor {name!r} of shape {shape} in {file}: no parameter "
-                        f"of this {hf_config['model_type']} configuration maps to it."
+                        f"Unexpected tensor {name!r} of shape {info.shape} in {f.path}: no "
+                        f"parameter of this {hf_config['model_type']} configuration maps to it."
                     )
-                if name in located:
-                    raise ValueError(f"Tensor {name!r} is stored twice: {located[name]}, {file}.")
-                if shape != shapes[name]:
+                if name in handles:
                     raise ValueError(
-                        f"Tensor {name!r} has shape {shape} in {file}, but config.json implies "
-                        f"{shapes[name]}."
+                        f"Tensor {name!r} is stored twice: {handles[name].path}, {f.path}."
                     )
-                located[name] = file
-    missing = [n for n in shapes if n not in located]
-    if missing:
-        shown = ", ".join(f"{n!r} (expected shape {shapes[n]})" for n in missing[:8])
-        more = f" and {len(missing) - 8} more" if len(missing) > 8 else ""
-        raise ValueError(f"Checkpoint {path!r} lacks {len(missing)} tensor(s): {shown}{more}.")
+                if info.shape != shapes[name]:
+                    raise ValueError(
+                        f"Tensor {name!r} has shape {info.shape} in {f.path}, but config.json "
+                        f"implies {shapes[name]}."
+                    )
+                handles[name] = f
+        missing = [n for n in shapes if n not in handles]
+        if missing:
+            shown = ", ".join(f"{n!r} (expected shape {shapes[n]})" for n in missing[:8])
+            more = f" and {len(missing) - 8} more" if len(missing) > 8 else ""
+            raise ValueError(
+                f"Checkpoint {str(path)!r} lacks {len(missing)} tensor(s): {shown}{more}."
+            )
 
-    graphdef, abstract_state = nnx.split(abstract_model(cfg))
-    shardings = None if mesh is None else param_specs(abstract_state, mesh, rules)
-    flat_vars = dict(nnx.to_flat_state(abstract_state))
-    flat_shardings = None if shardings is None else dict(nnx.to_flat_state(shardings))
-    if set(flat_vars) != {e.path for e in entries}:
-        raise AssertionError(
-            "tensor_map is out of sync with Transformer's parameters: "
-            f"{sorted(set(flat_vars) ^ {e.path for e in entries})}"
-        )
-
-    loaded = {}
-    with contextlib.ExitStack() as stack:
-        handles = {file: stack.enter_context(safe_open(file, framework="np")) for file in files}
+        graphdef, abstract_state = nnx.split(abstract_model(cfg))
+        shardings = None if mesh is None else param_specs(abstract_state, mesh, rules)
+        flat_vars = dict(nnx.to_flat_state(abstract_state))
+        flat_shardings = None if shardings is None else dict(nnx.to_flat_state(shardings))
+        if set(flat_vars) != {e.path for e in entries}:
+            raise AssertionError(
+                "tensor_map is out of sync with Transformer's parameters: "
+                f"{sorted(set(flat_vars) ^ {e.path for e in entries})}"
+            )
+        loaded = {}
         for entry in entries:
             var = flat_vars[entry.path]
             sharding = None if flat_shardings is None else flat_shardings[entry.path].get_value()
-            tensors = [handles[located[name]].get_tensor(name) for name in entry.hf_names]
-            value = _place(entry.to_ours(*tensors), var.get_value().dtype, sharding)
+            abstract = var.get_value()
+            value = load_param(entry, abstract.shape, abstract.dtype, sharding, handles)
             loaded[entry.path] = var.replace(value)
+    finally:
+        for f in opened:
+            f.close()
     state = nnx.from_flat_state(list(loaded.items()))
     return cfg, nnx.merge(graphdef, state)
 

@@ -20,8 +20,9 @@ Modules: `base` (the interface), `sp` (SentencePiece), `hf` (Hugging Face files)
 
 from __future__ import annotations
 
-from pathlib import Path
+import os
 
+from bpo_jax import files
 from bpo_jax.tokenizer.base import SP_BOS_ID, SP_EOS_ID, SP_PAD_ID, SP_UNK_ID, Tokenizer
 from bpo_jax.tokenizer.hf import HFTokenizer
 from bpo_jax.tokenizer.sp import SentencePieceTokenizer, train_sentencepiece
@@ -39,7 +40,7 @@ __all__ = [
 ]
 
 
-def load_tokenizer(path: str | Path) -> Tokenizer:
+def load_tokenizer(path: str | os.PathLike) -> Tokenizer:
     """Opens the tokenizer at `path`, choosing the backend from what is there.
 
     Args:
@@ -52,7 +53,7 @@ def load_tokenizer(path: str | Path) -> Tokenizer:
     Raises:
       ValueError: If `path` is none of the above.
     """
-    p = Path(path).expanduser().absolute()
+    p = files.as_path(path)
     if p.is_file() and p.suffix == ".model":
         return SentencePieceTokenizer(p)
     if p.is_file() and p.suffix == ".json":

@@ -24,8 +24,9 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping, Sequence
 from datetime import datetime
-from pathlib import Path
 from typing import Any
+
+from etils import epath
 
 CHAT_TEMPLATE_FILE = "chat_template.jinja"
 # transformers' `SPECIAL_TOKENS_ATTRIBUTES`: the named special tokens a template can read.
@@ -183,7 +184,7 @@ class ChatTemplate:
 
     @classmethod
     def from_folder(
-        cls, folder: Path, tok_config: Mapping[str, Any], special_tokens: Mapping[str, str]
+        cls, folder: epath.Path, tok_config: Mapping[str, Any], special_tokens: Mapping[str, str]
     ) -> ChatTemplate | None:
         """The template of a tokenizer folder, or None when it has none.
 

@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 import tokenizers
+from etils import epath
 
+from bpo_jax import files
 from bpo_jax.tokenizer.base import Tokenizer, _as_id_list, _with_specials
 from bpo_jax.tokenizer.chat_template import SPECIAL_TOKEN_NAMES, ChatTemplate
 
@@ -17,7 +19,7 @@ _BOS_GUESSES = ("<|begin_of_text|>", "<s>", "<bos>")
 _EOS_GUESSES = ("<|end_of_text|>", "<|endoftext|>", "</s>", "<eos>", "<|im_end|>")
 
 
-def _read_json(path: Path) -> dict[str, Any]:
+def _read_json(path: epath.Path) -> dict[str, Any]:
     if not path.is_file():
         return {}
     with path.open(encoding="utf-8") as f:
@@ -69,8 +71,8 @@ class HFTokenizer(Tokenizer):
         EOS can be found.
     """
 
-    def __init__(self, path: str | Path):
-        path = Path(path).expanduser().absolute()
+    def __init__(self, path: str | os.PathLike):
+        path = files.as_path(path)
         json_path = path / "tokenizer.json" if path.is_dir() else path
         if not json_path.is_file():
             raise ValueError(
@@ -78,7 +80,8 @@ class HFTokenizer(Tokenizer):
                 "directory containing one."
             )
         self.path = json_path
-        self._tok = tokenizers.Tokenizer.from_file(str(json_path))
+        # From the text, so that the file may be in a bucket as well as on the local disk.
+        self._tok = tokenizers.Tokenizer.from_str(json_path.read_text(encoding="utf-8"))
         self._vocab_size = max(self._tok.get_vocab(with_added_tokens=True).values()) + 1
 
         folder = json_path.parent

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import io
+import os
 from collections.abc import Iterable, Iterator, Sequence
-from pathlib import Path
 
 import numpy as np
 import sentencepiece as spm
 
+from bpo_jax import files
 from bpo_jax.tokenizer.base import (
     _SP_MIN_VOCAB,
     SP_BOS_ID,
@@ -31,14 +32,15 @@ class SentencePieceTokenizer(Tokenizer):
       ValueError: If the file is missing or the model has no EOS piece.
     """
 
-    def __init__(self, model_path: str | Path):
-        self.path = Path(model_path).expanduser().absolute()
+    def __init__(self, model_path: str | os.PathLike):
+        self.path = files.as_path(model_path)
         if not self.path.is_file():
             raise ValueError(
                 f"SentencePiece model {self.path} does not exist; pass the path of a .model file "
                 "(train one with train_sentencepiece)."
             )
-        self._sp = spm.SentencePieceProcessor(model_file=str(self.path))
+        # From bytes, so that the file may be in a bucket as well as on the local disk.
+        self._sp = spm.SentencePieceProcessor(model_proto=self.path.read_bytes())
         if self._sp.eos_id() < 0:
             raise ValueError(
                 f"SentencePiece model {self.path} defines no EOS piece (eos_id=-1); generation "
@@ -121,7 +123,7 @@ def _nonempty_texts(texts: Iterable[str]) -> Iterator[str]:
 
 def train_sentencepiece(
     texts: Iterable[str],
-    out_prefix: str | Path,
+    out_prefix: str | os.PathLike,
     vocab_size: int,
     user_defined_symbols: Sequence[str] = (),
     *,
@@ -167,7 +169,7 @@ def train_sentencepiece(
             f"{_SP_MIN_VOCAB} pieces plus {len(symbols)} user symbols; use at least {min_vocab} "
             "(a few hundred more leaves room for learned pieces)."
         )
-    out = Path(out_prefix).expanduser().absolute()
+    out = files.as_path(out_prefix)
     model_path = out if out.suffix == ".model" else out.with_name(out.name + ".model")
     model_path.parent.mkdir(parents=True, exist_ok=True)
 
@@ -207,7 +209,7 @@ def train_sentencepiece(
         num_threads=1,
         minloglevel=2,
     )
-    model_path.write_bytes(buf.getvalue())
+    files.write_bytes(model_path, buf.getvalue())
     return SentencePieceTokenizer(model_path)
 
 

@@ -38,7 +38,11 @@ behaviour-cloning start (`bc/seed_0`), before any RL run:
     slack (`rollout.probe_share=0.5`), spread over its remaining steps: 4 batches spent 0.93
     (95% CI 0.90-0.95) of the budget on 10 branch points at mean step 5.7, against 1.10 on 6,
     all at t = 0, when probing every step (`docs/results.md`, `branch_rules_k0_3.json`).
-Left: the start policy (the first finding).
+Left: the start policy (the first finding). `docs/start_policy.md` chooses it on held-out
+training games (`env.dev_fraction=0.3`, 55 dev games), never on the tables' games: a searching
+demonstrator that reads only the text (`bc.demos=search`) wins all 162 training games, but the
+first policy cloned from it (150 steps, max_steps 32) won 0 of 55 dev games (underfit: 1.8
+passes over its 1,326 pairs); the longer BC runs and the walkthrough row are still to run.
 
 The fields a reader changes:
   - `OVERRIDES["rollout.root_group"]` (K0), `["rollout.num_branches"]` (K),

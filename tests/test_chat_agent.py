@@ -303,6 +303,7 @@ def test_chat_agent_trains_a_random_qwen2_for_two_iterations(tmp_path):
 
     ckpt = write_chat_checkpoint(tmp_path / "qwen2_tiny", weights=True)
     cfg = _config("alfworld", "cpu")
+    cfg.train.algo = "grpo"  # One update per iteration at this size (BPO's trees make more).
     cfg.agent.format = "chat"
     cfg.agent.history_turns = 2
     cfg.agent.max_prompt_tokens = 1536

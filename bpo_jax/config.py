@@ -28,7 +28,7 @@ from bpo_jax.branching import (
     ENTROPY_REDUCE,
     SELECTORS,
 )
-from bpo_jax.demos import DEMO_SOURCES, SEARCH_EXPERTS, search_expert_class
+from bpo_jax.demos import DEMO_SOURCES, INADMISSIBLE_ACTIONS, SEARCH_EXPERTS, search_expert_class
 from bpo_jax.estimators import NORMALIZE
 from bpo_jax.forest import STEP_WEIGHTINGS
 from bpo_jax.learner import LOSS_AGGS
@@ -233,6 +233,11 @@ class BCSpec(_Spec):
         default="walkthrough",
         metadata={"check": _Check(lambda v: v in DEMO_SOURCES, f"must be one of {DEMO_SOURCES}")},
     )
+    # Share of demo steps cloned once more after 1-2 commands the game cannot execute (recovery
+    # examples; bpo_jax/demos.py). 0 = the demos as played.
+    recovery: float = dataclasses.field(
+        default=0.0, metadata={"check": _Check(lambda v: 0 <= v < 1, "must be in [0, 1)")}
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -384,6 +389,12 @@ class ExperimentConfig:
             )
         if self.bc.demos == "search" and self.bc.steps:
             self._check_search_demos()
+        if self.bc.recovery and self.bc.steps and self.env.name not in INADMISSIBLE_ACTIONS:
+            raise ValueError(
+                f"config.bc.recovery needs a generator of commands the game cannot execute for "
+                f"env.name {self.env.name!r} (there is one for: {sorted(INADMISSIBLE_ACTIONS)}), "
+                f"got bc.recovery={self.bc.recovery!r}; set it to 0."
+            )
         self.algorithm.check(self)
 
     def _check_search_demos(self):

@@ -8,9 +8,11 @@ JSON in the run's working directory (a restarted run does not replay them).
 
 from __future__ import annotations
 
+import copy
 import json
 from collections.abc import Callable, Sequence
 
+import numpy as np
 from etils import epath
 
 from bpo_jax import files
@@ -24,6 +26,10 @@ DEMO_SOURCES = ("walkthrough", "search")
 # Environment name -> "module:Class" of its searching demonstrator: built from
 # (first_observation, goal), with `act() -> str | None` and `observe(observation)`.
 SEARCH_EXPERTS = {"alfworld": "envs.alfworld.search_expert:SearchExpert"}
+
+# Environment name -> "module:function" of `(first_observation, rng) -> (command, reply)`: a
+# command the game cannot execute, and its answer (recovery examples, `bc.recovery`).
+INADMISSIBLE_ACTIONS = {"alfworld": "envs.alfworld.inadmissible:inadmissible_turn"}
 
 # The cache file of each source in the run's workdir.
 _CACHE_NAMES = {"walkthrough": "expert_demos.json", "search": "search_demos.json"}
@@ -44,6 +50,19 @@ class _Walkthrough:
 
     def observe(self, observation: str) -> None:
         del observation  # A walkthrough does not look.
+
+
+def inadmissible_turn_fn(env_name: str) -> Callable:
+    """`env_name`'s generator of commands the game cannot execute (`INADMISSIBLE_ACTIONS`)."""
+    import importlib
+
+    if env_name not in INADMISSIBLE_ACTIONS:
+        raise ValueError(
+            f"no generator of inadmissible commands for environment {env_name!r}; known: "
+            f"{sorted(INADMISSIBLE_ACTIONS)} (set bc.recovery=0)."
+        )
+    module, name = INADMISSIBLE_ACTIONS[env_name].split(":")
+    return getattr(importlib.import_module(module), name)
 
 
 def search_expert_class(env_name: str):
@@ -158,14 +177,43 @@ def corpus(demos: Sequence[dict], history_turns: int) -> list[str]:
     return texts
 
 
-def bc_examples(demos: Sequence[dict], tokenizer, history_turns: int, max_prompt_tokens: int):
-    """(sequence, action_start) pairs: prompt tokens then the expert action and a stop token."""
+def bc_examples(
+    demos: Sequence[dict],
+    tokenizer,
+    history_turns: int,
+    max_prompt_tokens: int,
+    *,
+    recovery: float = 0.0,
+    wrong_turn: Callable | None = None,
+    seed: int = 0,
+):
+    """(sequence, action_start) pairs: prompt tokens then the expert action and a stop token.
+
+    With `recovery` > 0, each step of a winning demo is, with that probability, cloned a second
+    time after one or two (even odds) turns of `wrong_turn(first_obs, rng) -> (command, reply)`,
+    a command the game cannot execute, appended to the history, with the expert's own action as
+    the label: the game's state is unchanged by such a command, so that is the expert's action
+    there. The draws are seeded by `seed` and the demo's index (the same examples every time).
+    """
+    if recovery and wrong_turn is None:
+        raise ValueError("bc_examples: recovery > 0 needs wrong_turn (inadmissible_turn_fn).")
     out = []
-    for demo in demos:
+
+    def example(ep, action):
+        prompt = encode_prompt(tokenizer, ep, history_turns, max_prompt_tokens)
+        act = tokenizer.encode(" " + action) + [tokenizer.eos_id]
+        return prompt + act, len(prompt)
+
+    for index, demo in enumerate(demos):
         if not demo["won"]:
             continue  # Only clone walkthroughs that actually win.
+        rng = np.random.default_rng([seed, index])
         for ep, action in _episodes(demo):
-            prompt = encode_prompt(tokenizer, ep, history_turns, max_prompt_tokens)
-            act = tokenizer.encode(" " + action) + [tokenizer.eos_id]
-            out.append((prompt + act, len(prompt)))
+            out.append(example(ep, action))
+            if recovery and rng.random() < recovery:
+                detour = copy.deepcopy(ep)
+                for _ in range(1 + int(rng.random() < 0.5)):
+                    command, reply = wrong_turn(demo["first_obs"], rng)
+                    detour.record(command, reply)
+                out.append(example(detour, action))
     return out

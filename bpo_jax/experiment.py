@@ -137,6 +137,10 @@ def base_config(
     # search: the environment's searching demonstrator, which decides from the observations
     # only (ALFWorld; needs a longer env.max_steps to finish: docs/start_policy.md).
     c.bc.demos = "walkthrough"
+    # Share of demo steps also cloned after 1-2 commands the game cannot execute ("Nothing
+    # happens."), labelled with the expert's action there: a cloned policy sees how to go on
+    # from its own mistakes instead of only from the expert's states (0 = off).
+    c.bc.recovery = 0.0
 
     # RL.
     c.train = ml_collections.ConfigDict()

@@ -42,7 +42,7 @@ from bpo_jax.builders import (
 )
 from bpo_jax.checkpoint import Checkpointer
 from bpo_jax.config import ExperimentConfig, validate
-from bpo_jax.demos import bc_examples, demos_path, load_or_play
+from bpo_jax.demos import bc_examples, demos_path, inadmissible_turn_fn, load_or_play
 from bpo_jax.evaluation import EVAL_SEEDS, EvalLog, evaluate, pooled
 from bpo_jax.metrics import MetricWriter, progress
 from bpo_jax.models import sharding
@@ -270,7 +270,13 @@ def behaviour_cloning(run: Run, state: RunState) -> RunState:
         run.evaluate("initial", "initial", EVAL_SEEDS["initial"], state)
     if cfg.bc.steps:
         examples = bc_examples(
-            run.demos, run.tokenizer, cfg.agent.history_turns, cfg.agent.max_prompt_tokens
+            run.demos,
+            run.tokenizer,
+            cfg.agent.history_turns,
+            cfg.agent.max_prompt_tokens,
+            recovery=cfg.bc.recovery,
+            wrong_turn=inadmissible_turn_fn(cfg.env.name) if cfg.bc.recovery else None,
+            seed=cfg.seed,
         )
         if not examples:
             raise RuntimeError(

@@ -320,6 +320,9 @@ class EvalSpec(_Spec):
     every: int = at_least(0)
     sampled: bool  # Also play one sampled (temperature) episode per task.
     initial: bool = True  # Evaluate the policy before behaviour cloning too.
+    # Folder of evaluation results shared between runs ('' = none): an evaluation of exactly the
+    # same episodes is reused (bpo_jax/eval_cache.py; the sweep sets it).
+    cache_dir: str = ""
 
 
 @dataclasses.dataclass(frozen=True)

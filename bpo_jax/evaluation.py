@@ -21,6 +21,7 @@ from etils import epath
 
 from bpo_jax import distributed, files
 from bpo_jax.builders import make_agent
+from bpo_jax.eval_cache import EvalCache
 from bpo_jax.metrics import MetricWriter, progress
 from bpo_jax.rollout import play
 from bpo_jax.shares import play_in_shares
@@ -32,14 +33,24 @@ log = logging.getLogger(__name__)
 EVAL_SEEDS = {"initial": 10_000, "before_rl": 20_000, "iter": 30_000, "after_rl": 40_000}
 
 
-def evaluate(pool, policy, tasks, cfg, rng, label: str, greedy: bool = True) -> dict:
+def evaluate(
+    pool, policy, tasks, cfg, rng, label: str, greedy: bool = True, cache: EvalCache | None = None
+) -> dict:
     """One episode per task (greedy, or sampled at the policy's temperature); success etc.
 
     The tasks are played in `mesh.task_shards` shares, each host its own (`bpo_jax.shares`);
-    every host returns the result over all of them.
+    every host returns the result over all of them. With a `cache`, an evaluation of exactly
+    these episodes made before (by any run sharing the cache) is reused (`bpo_jax.eval_cache`).
     """
     if not tasks:
         return {}
+    key = None
+    if cache is not None:
+        key = cache.key(policy.params, [t.task_id for t in tasks], cfg, rng, greedy)
+        hit = cache.get(key)
+        if hit is not None:
+            log.info("eval %-10s success %.3f (reused %s)", label, hit["eval/success"], key[:12])
+            return hit
     t0 = time.time()
     num = distributed.num_shares(cfg.mesh.task_shards)
     slices = distributed.share_slices(len(tasks), num)
@@ -74,6 +85,7 @@ def evaluate(pool, policy, tasks, cfg, rng, label: str, greedy: bool = True) -> 
         "eval/invalid_frac": float(np.mean(invalid)) if invalid else 0.0,
         "eval/num_episodes": len(played),
         "eval/seconds": time.time() - t0,
+        "eval/cached": 0.0,
     }
     log.info(
         "eval %-10s success %.3f over %d episodes (%.0fs)",
@@ -82,6 +94,8 @@ def evaluate(pool, policy, tasks, cfg, rng, label: str, greedy: bool = True) -> 
         len(played),
         out["eval/seconds"],
     )
+    if cache is not None:
+        cache.put(key, out)
     return out
 
 

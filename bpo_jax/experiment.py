@@ -232,6 +232,9 @@ def base_config(
     c.eval.every = 0  # Also evaluate every N iterations (0 = only before and after).
     c.eval.sampled = False  # Also one sampled episode per task (at sampler.temperature).
     c.eval.initial = True  # Also evaluate the policy before behaviour cloning.
+    # Evaluation results shared between runs ('' = none; a sweep sets its own): an evaluation
+    # of exactly the same episodes (parameters, games, keys, settings) is reused, not replayed.
+    c.eval.cache_dir = ""
 
     # Checkpoints (Orbax) in <workdir>/checkpoints; a restarted run resumes from the latest.
     c.checkpoint = ml_collections.ConfigDict()

@@ -43,6 +43,7 @@ from bpo_jax.builders import (
 from bpo_jax.checkpoint import Checkpointer
 from bpo_jax.config import ExperimentConfig, validate
 from bpo_jax.demos import bc_examples, demos_path, inadmissible_turn_fn, load_or_play
+from bpo_jax.eval_cache import EvalCache
 from bpo_jax.evaluation import EVAL_SEEDS, EvalLog, evaluate, pooled
 from bpo_jax.metrics import MetricWriter, progress
 from bpo_jax.models import sharding
@@ -70,6 +71,7 @@ class Run:
     writer: MetricWriter
     ckpt: Checkpointer
     evals: EvalLog
+    eval_cache: EvalCache | None = None  # Results shared between runs (`eval.cache_dir`).
 
     def evaluate(
         self, name: str, label: str, seed: int, state: RunState, *, current: bool = False
@@ -83,15 +85,25 @@ class Run:
             return
         self.policy.params = state.train.params
         rng = jax.random.fold_in(state.rng, seed)
+        cache = self.eval_cache
         greedy = []
         for i, (split, tasks) in enumerate(self.eval_tasks.items()):
-            result = evaluate(self.pool, self.policy, tasks, self.cfg, rng, f"{label}, {split}")
+            result = evaluate(
+                self.pool, self.policy, tasks, self.cfg, rng, f"{label}, {split}", cache=cache
+            )
             self.evals.record(f"{name}/{split}", result, state.step)
             greedy.append(result)
             if self.cfg.eval.sampled:
                 key = jax.random.fold_in(rng, 1 + i)
                 result = evaluate(
-                    self.pool, self.policy, tasks, self.cfg, key, f"{label}, {split}", greedy=False
+                    self.pool,
+                    self.policy,
+                    tasks,
+                    self.cfg,
+                    key,
+                    f"{label}, {split}",
+                    greedy=False,
+                    cache=cache,
                 )
                 self.evals.record(f"{name}/{split}/sampled", result, state.step)
         self.evals.record(name, pooled(greedy), state.step)
@@ -166,12 +178,23 @@ def open_run(cfg: ExperimentConfig, workdir: epath.Path, raw_config=None):
                     writer,
                     splits=list(eval_tasks),
                 ),
+                eval_cache=_eval_cache(cfg, workdir),
             )
             yield run, mcfg, params
             ckpt.wait()
     finally:
         writer.close()
         ckpt.close()
+
+
+def _eval_cache(cfg: ExperimentConfig, workdir: epath.Path) -> EvalCache | None:
+    """The shared evaluation results (`eval.cache_dir`), salted with this run's tokenizer."""
+    if not cfg.eval.cache_dir:
+        return None
+    trained = workdir / "tokenizer.model"
+    salt = trained.read_bytes() if trained.exists() else cfg.model.tokenizer.encode()
+    salt += cfg.model.hf_checkpoint.encode()
+    return EvalCache(cfg.eval.cache_dir, salt=salt)
 
 
 def _shared_tokenizer(cfg: ExperimentConfig, workdir: epath.Path, demos):

@@ -16,7 +16,14 @@ by seed, so that a sweep stopped early leaves complete paired seeds.
 
 With `Sweep.shared_bc`, behaviour cloning runs once per seed as `bc/seed_<n>` (no RL iterations)
 before the seed's other runs, which start RL from its checkpoint (`--config.init_from`): the
-algorithms of a seed are compared from one policy. A run whose start failed is marked failed.
+algorithms of a seed are compared from one policy. With `Sweep.bc_once` as well, one behaviour
+cloning run, `bc/shared` (at the first seed), is the start of every run of every seed, as one
+pretrained checkpoint is in the paper's setting: seeds then vary RL alone. A run whose start
+failed is marked failed.
+
+With `Sweep.share_evals`, every run gets `--config.eval.cache_dir=<workdir>/eval_cache`: an
+evaluation of exactly the same episodes is played once for the sweep (`bpo_jax.eval_cache`;
+e.g. the before-RL evaluations of the algorithms of a seed, which share their start).
 
 Resuming: a run whose `summary.json` reports `iterations == train.iterations` of its resolved
 config is finished and skipped; any other run is started again in the same workdir, where the
@@ -88,6 +95,9 @@ class Sweep:
       ablations: extra run sets beside the plain algorithms.
       shared_bc: behaviour cloning runs once per seed (`bc/seed_<n>`, no RL), and every run of
         that seed starts RL from its policy (`init_from`): paired seeds share their start.
+      bc_once: with shared_bc, one behaviour cloning run (`bc/shared`, at the first seed) starts
+        every run of every seed.
+      share_evals: runs share evaluation results (`eval.cache_dir` in the sweep's folder).
     """
 
     config: str
@@ -96,6 +106,8 @@ class Sweep:
     overrides: Mapping[str, Any] = dataclasses.field(default_factory=dict)
     ablations: tuple[Ablation, ...] = ()
     shared_bc: bool = False
+    bc_once: bool = False
+    share_evals: bool = False
 
 
 # The shared behaviour-cloning run of a seed trains no RL iterations, and its own evaluations
@@ -103,6 +115,8 @@ class Sweep:
 # training game keeps them short.
 BC_OVERRIDES = {"train.iterations": 0, "env.eval_split": "train", "eval.num_tasks": 1}
 BC_GROUP = "bc"
+BC_SHARED = f"{BC_GROUP}/shared"  # The one start of a `bc_once` sweep.
+EVAL_CACHE = "eval_cache"  # The sweep folder's shared evaluations (`share_evals`).
 
 
 @dataclasses.dataclass(frozen=True)
@@ -116,10 +130,13 @@ class Run:
     config: str  # --config value, variants included.
     overrides: tuple[str, ...]  # --config.<field>=<value> flags.
     init_from: str = ""  # Name of the run (in the same sweep) whose policy RL starts from.
+    share_evals: bool = False  # Evaluations go through the sweep's cache (`EVAL_CACHE`).
 
     def command(self, workdir: Path, module: str = "bpo_jax.main") -> list[str]:
         run_dir = workdir / self.name
         init = [f"--config.init_from={workdir / self.init_from}"] if self.init_from else []
+        if self.share_evals:
+            init.append(f"--config.eval.cache_dir={workdir / EVAL_CACHE}")
         return [
             sys.executable,
             "-m",
@@ -171,16 +188,27 @@ def expand(sweep: Sweep) -> list[Run]:
         raise ValueError(f"with shared_bc the run group {BC_GROUP!r} is the sweep's own.")
     if "init_from" in sweep.overrides:
         raise ValueError("overrides must not set init_from; use Sweep.shared_bc.")
+    if sweep.bc_once and not sweep.shared_bc:
+        raise ValueError("Sweep.bc_once needs shared_bc=True (it says how the start is shared).")
+    if sweep.share_evals and "eval.cache_dir" in sweep.overrides:
+        raise ValueError("overrides must not set eval.cache_dir; share_evals sets the sweep's.")
     runs, names = [], set()
+    shares = sweep.share_evals
+
+    def bc_run(name: str, seed: int) -> Run:
+        fields = {**dict(sweep.overrides), **BC_OVERRIDES, "seed": int(seed)}
+        flags_ = tuple(f"--config.{k}={format_value(v)}" for k, v in fields.items())
+        config = f"{path}:{variants + ',' if variants else ''}algo={sweep.algos[0]}"
+        names.add(name)
+        return Run(name, BC_GROUP, int(seed), "", config, flags_, share_evals=shares)
+
+    if sweep.bc_once:
+        runs.append(bc_run(BC_SHARED, sweep.seeds[0]))
     for seed in sweep.seeds:
-        bc_name = ""
-        if sweep.shared_bc:
+        bc_name = BC_SHARED if sweep.bc_once else ""
+        if sweep.shared_bc and not sweep.bc_once:
             bc_name = f"{BC_GROUP}/seed_{seed}"
-            fields = {**dict(sweep.overrides), **BC_OVERRIDES, "seed": int(seed)}
-            flags_ = tuple(f"--config.{k}={format_value(v)}" for k, v in fields.items())
-            config = f"{path}:{variants + ',' if variants else ''}algo={sweep.algos[0]}"
-            runs.append(Run(bc_name, BC_GROUP, int(seed), "", config, flags_))
-            names.add(bc_name)
+            runs.append(bc_run(bc_name, seed))
         for algo in sweep.algos:
             for ab_name, ab_overrides, ab_algos in sets:
                 if ab_algos and algo not in ab_algos:
@@ -196,7 +224,7 @@ def expand(sweep: Sweep) -> list[Run]:
                     raise ValueError("overrides must not set train.algo; list it in Sweep.algos.")
                 flags_ = tuple(f"--config.{k}={format_value(v)}" for k, v in fields.items())
                 config = f"{path}:{variants + ',' if variants else ''}algo={algo}"
-                runs.append(Run(name, algo, int(seed), ab_name, config, flags_, bc_name))
+                runs.append(Run(name, algo, int(seed), ab_name, config, flags_, bc_name, shares))
     return runs
 
 

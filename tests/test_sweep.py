@@ -79,6 +79,7 @@ def get_config(arg=None):
     c.env.eval_split = "valid_seen"
     c.eval = ml_collections.ConfigDict()
     c.eval.num_tasks = 0
+    c.eval.cache_dir = ""
     c.init_from = ""
     c.sleep = 0.0
     c.crash_at = 1
@@ -117,11 +118,12 @@ def setup(tmp_path, monkeypatch):
     monkeypatch.setenv("PYTHONPATH", f"{tmp_path}{os.pathsep}{REPO}")
     monkeypatch.delenv("FAKE_CRASH", raising=False)
 
-    def make(sleep=0.0, shared_bc=False):
-        path = tmp_path / f"sweep_{str(sleep).replace('.', '_')}_{shared_bc}.py"
+    def make(sleep=0.0, shared_bc=False, extra=""):
+        tag = f"{str(sleep).replace('.', '_')}_{shared_bc}_{len(extra)}"
+        path = tmp_path / f"sweep_{tag}.py"
         text = SWEEP.format(config=tmp_path / "exp.py", sleep=sleep)
         if shared_bc:
-            text = text.replace("seeds=(0, 1),", "seeds=(0, 1), shared_bc=True,")
+            text = text.replace("seeds=(0, 1),", f"seeds=(0, 1), shared_bc=True, {extra}")
         path.write_text(text)
         return path
 
@@ -324,3 +326,31 @@ def test_shared_bc_runs_once_per_seed_and_its_runs_start_from_it(setup, tmp_path
     )
     assert set(statuses.values()) == {"done"}
     assert len(invocations(workdir / "bpo/seed_0")) == 1
+
+
+def test_bc_once_starts_every_seed_from_one_policy_and_evals_are_shared(setup, tmp_path):
+    workdir = tmp_path / "runs"
+    sweep_file = setup(shared_bc=True, extra="bc_once=True, share_evals=True,")
+    runs = sweep_lib.expand(sweep_lib.load_sweep(sweep_file))
+    assert [r.name for r in runs] == ["bc/shared", *NAMES]
+    cache = f"--config.eval.cache_dir={workdir / 'eval_cache'}"
+    assert all(cache in r.command(workdir) for r in runs)
+    statuses = sweep_lib.run_sweep(sweep_file, workdir, module="fake_main", out=io.StringIO())
+    assert set(statuses.values()) == {"done"}
+    bc = json.loads((workdir / "bc/shared/config.json").read_text())
+    assert bc["seed"] == 0 and bc["train"]["iterations"] == 0
+    for n in NAMES:
+        cfg = json.loads((workdir / n / "config.json").read_text())
+        assert cfg["init_from"] == str(workdir / "bc/shared")
+        assert cfg["eval"]["cache_dir"] == str(workdir / "eval_cache")
+    assert {json.loads((workdir / n / "config.json").read_text())["seed"] for n in NAMES} == {0, 1}
+
+
+def test_bc_once_and_share_evals_are_checked(setup, tmp_path):
+    base = dict(config="x.py:cpu", algos=("bpo",), seeds=(0,))
+    with pytest.raises(ValueError, match="bc_once needs shared_bc"):
+        sweep_lib.expand(sweep_lib.Sweep(**base, bc_once=True))
+    with pytest.raises(ValueError, match="must not set eval.cache_dir"):
+        sweep_lib.expand(
+            sweep_lib.Sweep(**base, share_evals=True, overrides={"eval.cache_dir": "/x"})
+        )

@@ -20,6 +20,7 @@ from bpo_jax import files
 from bpo_jax.metrics import METRICS_FILE, read_metrics
 
 _SEED_DIR = re.compile(r"seed_\d+")
+BC_FOLDER = "bc"  # Where a sweep keeps its behaviour-cloning starts (`bpo_jax.sweep.BC_GROUP`).
 _ITER = re.compile(r"iter_(\d+)")
 
 
@@ -189,6 +190,9 @@ def read_run(run_dir: str | os.PathLike) -> RunRecord:
 def find_runs(root: str | os.PathLike) -> list[RunRecord]:
     """Every run record under `root` (recursively), sorted by group and seed.
 
+    A sweep's behaviour-cloning starts (`bc/seed_<n>`, `bc/shared`: no RL) are not runs of the
+    tables and are left out.
+
     Raises:
       ValueError: no run under `root`, or two runs of one group with the same seed.
     """
@@ -196,7 +200,9 @@ def find_runs(root: str | os.PathLike) -> list[RunRecord]:
     dirs = sorted(
         p.parent
         for p in files.iter_files(root)
-        if p.name == "config.json" and (p.parent / "summary.json").is_file()
+        if p.name == "config.json"
+        and (p.parent / "summary.json").is_file()
+        and p.parent.parent.name != BC_FOLDER
     )
     if not dirs:
         raise ValueError(f"no run records (config.json + summary.json) under {root}.")

@@ -234,6 +234,13 @@ def test_duplicate_seed_is_an_error(tmp_path):
         tables.write_tables(tmp_path, tmp_path / "out")
 
 
+def test_a_sweeps_behaviour_cloning_starts_are_not_runs(runs):
+    before = [(r.group, r.seed) for r in tables.find_runs(runs)]
+    write_run(runs / "bc" / "shared", "bpo", 0, 4)  # A bc_once start, with algo bpo, seed 0.
+    write_run(runs / "bc" / "seed_1", "bpo", 1, 4)
+    assert [(r.group, r.seed) for r in tables.find_runs(runs)] == before
+
+
 def test_command_line(runs, tmp_path):
     out = tmp_path / "cli"
     # A sweep's shared behaviour-cloning start (no RL iterations) is not a result.

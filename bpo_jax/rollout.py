@@ -11,9 +11,21 @@ One engine serves every topology (DESIGN.md, "Data flow"):
   to `max_depth` nested branch points and `branch_budget` branch points per backbone, while the
   task's compute budget lasts.
 
-Every live path advances in lockstep: one prefill + one batched sampling call per turn (plus one
-for the extra children of that turn's branch points) and one parallel `step_many` across the
-pool's worker processes.
+Every live path of a cohort advances in lockstep: one prefill + one batched sampling call per
+turn (plus one for the extra children of that turn's branch points) and one parallel batch of
+steps across the pool's worker processes. The batch's tasks are split into `cohorts` contiguous
+groups (every path of a task, its tree and its planner state in one), whose turns are pipelined:
+sample cohort A's turn, submit its steps (`SandboxPool.submit_steps`), sample cohort B's turn
+while A's environments step, collect A, submit B, sample A's next turn, ... so the accelerator
+and the environment workers work at the same time. One cohort is plain lockstep.
+
+With contiguous cohorts the forest's segments, nodes and leaves are created in the same order
+as in plain lockstep (turn by turn, task by task), so for a deterministic policy and decisions
+that depend on a task's own paths only, the forest is the same for any number of cohorts. What
+the planner pools across tasks (the branch rule's running score history, the length and
+token-cost models, the acceptance coin) sees the other cohorts' turns in a different order, so
+adaptive thresholds and budget decisions can differ; each is still a function of h_t and of
+other tasks' past, never of the node's own future, so the estimator stays unbiased.
 
 Roles: `_Lockstep` (here) owns the sandboxes and the policy calls; `forest_builder.ForestBuilder`
 the segments, nodes and leaves; `planner.BranchPlanner` the branch rule, branch budgets and
@@ -122,23 +134,58 @@ class TreeSpec:
         return self.branch_budget > 0 and self.max_depth > 0
 
 
+@dataclasses.dataclass
+class _Cohort:
+    """Tasks whose live paths play turns together; see the module docstring.
+
+    `turn` holds the turn being played between its sampling and its steps' collection.
+    """
+
+    index: int
+    key: object  # Its PRNG key; each of its turns folds in the turn counter.
+    live: list[LivePath] = dataclasses.field(default_factory=list)
+    turns: int = 0
+    pending: object = None  # `PendingSteps` of the submitted turn.
+    turn: tuple = ()  # (prompts, rows, samples, actions) of the submitted turn.
+
+
 class _Lockstep:
-    """Plays every live path of a batch, one turn at a time (sandbox lifecycle and sampling).
+    """Plays every live path of a batch, cohort by cohort, one turn at a time (sandbox
+    lifecycle and sampling).
 
     Forest bookkeeping is the builder's, branch decisions and spending the planner's; this
     class owns the sandboxes (every live path holds one, closed on any exit) and the policy calls.
     """
 
-    def __init__(self, pool, policy, agent, tasks, spec, planner, rng, greedy, bar):
+    def __init__(self, pool, policy, agent, tasks, spec, planner, rng, greedy, bar, cohorts=1):
+        import jax  # Local: keeps this module importable without initialising JAX.
+
         self.pool, self.policy, self.agent, self.rng = pool, policy, agent, rng
         self.tasks, self.spec, self.planner = list(tasks), spec, planner
         self.greedy, self.bar = greedy, bar
         self.stats = ComputeStats()
-        self.timer = Timer()  # Seconds in the policy (sampling) and in the sandboxes (env).
+        # Seconds in the policy (sampling), blocked on the sandboxes (env), and the sum of the
+        # steps' own send-to-reply latencies (env_busy: env work, overlapped or not).
+        self.timer = Timer()
         self.builder = ForestBuilder(len(self.tasks))
         self.finished_backbones: list[LivePath] = []
-        self.live: list[LivePath] = []  # Paths with an open sandbox (closed on any exit).
-        self.turn = 0
+        # Contiguous blocks of tasks; one cohort keeps the run's key as it is (plain lockstep).
+        n = max(1, min(cohorts, len(self.tasks)))
+        keys = [rng] if n == 1 else [jax.random.fold_in(rng, 2**21 + c) for c in range(n)]
+        self.cohorts = [_Cohort(c, keys[c]) for c in range(n)]
+        self.cohort_of = np.zeros((len(self.tasks),), np.int64)
+        for c, block in enumerate(np.array_split(np.arange(len(self.tasks)), n)):
+            self.cohort_of[block] = c
+
+    @property
+    def live(self) -> list[LivePath]:
+        """Paths with an open sandbox (closed on any exit), over all cohorts."""
+        return [p for c in self.cohorts for p in c.live]
+
+    @live.setter
+    def live(self, paths: list[LivePath]) -> None:
+        for c in self.cohorts:
+            c.live = [p for p in paths if self.cohort_of[p.task] == c.index]
 
     def start(self) -> None:
         k0 = self.spec.root_group
@@ -156,12 +203,12 @@ class _Lockstep:
                 )
                 path = self.builder.start_path(ti, sid=fsid, episode=episode)
                 self.planner.add_backbone(path)
-                self.live.append(path)
+                self.cohorts[self.cohort_of[ti]].live.append(path)
 
-    def _key(self, salt: int):
+    def _key(self, c: _Cohort, salt: int):
         import jax  # Local: keeps this module importable without initialising JAX.
 
-        return jax.random.fold_in(self.rng, 2 * self.turn + salt)
+        return jax.random.fold_in(c.key, 2 * c.turns + salt)
 
     def _branch_where(self, live: list[LivePath], rows: list[int], entropies: np.ndarray) -> None:
         """Branches the paths the planner picks.
@@ -192,7 +239,7 @@ class _Lockstep:
             child.sid = sid
         return children
 
-    def _probe_scores(self, live: list[LivePath], ctx) -> np.ndarray:
+    def _probe_scores(self, c: _Cohort, live: list[LivePath], ctx) -> np.ndarray:
         """`action_samples` rule: per path, the entropy of `probes` extra actions drawn at h_t
         (NaN where the path cannot branch, or its task cannot pay for the probes). Their tokens
         are charged to the paths' tasks."""
@@ -205,7 +252,7 @@ class _Lockstep:
             return scores
         rows = [i for i in eligible for _ in range(m)]
         # Its own key: independent of the actions the paths and their children are given.
-        key = jax.random.fold_in(self._key(0), 0x9E3779B1 % 2**31)
+        key = jax.random.fold_in(self._key(c, 0), 0x9E3779B1 % 2**31)
         probes = self.policy.sample(ctx, key, rows=rows, keep_context=True)
         tokens = sum(len(s.token_ids) for s in probes)
         self.stats.generated_tokens += tokens
@@ -217,72 +264,99 @@ class _Lockstep:
             scores[i] = action_distribution_entropy([self.agent.parse(s.text) for s in chunk])
         return scores
 
-    def _sample(self, live: list[LivePath], ctx, rows: list[int]):
-        """This turn's actions: one per live path, children included (they join `live`)."""
+    def _sample(self, c: _Cohort, ctx, rows: list[int]):
+        """This turn's actions: one per live path, children included (they join `c.live`)."""
+        live = c.live
         if self.planner.selector is not None and self.planner.selector.probes:
             if self.planner.may_branch(live):
-                self._branch_where(live, rows, self._probe_scores(live, ctx))
-            return self.policy.sample(ctx, self._key(0), rows=rows, greedy=self.greedy)
+                self._branch_where(live, rows, self._probe_scores(c, live, ctx))
+            return self.policy.sample(ctx, self._key(c, 0), rows=rows, greedy=self.greedy)
         if self.spec.entropy_reduce == "first" or not self.planner.may_branch(live):
             # The branch rule sees h_t only (the first token's distribution), so every
             # path's action and every child's action come from one sampling call.
             self._branch_where(live, rows, self.policy.next_token_entropy(ctx))
-            return self.policy.sample(ctx, self._key(0), rows=rows, greedy=self.greedy)
+            return self.policy.sample(ctx, self._key(c, 0), rows=rows, greedy=self.greedy)
         # "mean" / "max" look at the backbone's sampled action first (an ablation).
-        samples = self.policy.sample(ctx, self._key(0), keep_context=True)
+        samples = self.policy.sample(ctx, self._key(c, 0), keep_context=True)
         entropies = np.array(
             [action_entropy(s.entropies, self.spec.entropy_reduce) for s in samples]
         )
         self._branch_where(live, rows, entropies)
-        return samples + self.policy.sample(ctx, self._key(1), rows=rows[len(samples) :])
+        return samples + self.policy.sample(ctx, self._key(c, 1), rows=rows[len(samples) :])
 
     def run(self) -> None:
-        """Plays every live path to its end."""
-        live = self.live
-        while live:
-            prompts = [self.agent.encode(p.episode) for p in live]
-            with self.timer("sampling"):
-                ctx = self.policy.prefill(prompts)
-                self.stats.prefilled_tokens += ctx.prefilled_tokens
-                rows = list(range(len(live)))
-                samples = self._sample(live, ctx, rows)
-            tokens = sum(len(s.token_ids) for s in samples)
-            self.stats.generated_tokens += tokens
-            self.planner.costs.record(len(samples), tokens)
-            for p, s in zip(live, samples):
-                self.planner.charge(p, len(s.token_ids))
-            if self.planner.posthoc:
-                for p in live:
-                    if p.depth == 0:
-                        p.history.append((self.pool.snapshot(p.sid), copy.deepcopy(p.episode)))
-                        self.stats.snapshots += 1
-            actions = [self.agent.parse(s.text) for s in samples]
-            with self.timer("env"):
-                results = self.pool.step_many([(p.sid, a) for p, a in zip(live, actions)])
-            self.stats.env_steps += len(live)
-            still = []
-            for p, row, sample, action, res in zip(live, rows, samples, actions, results):
-                self.builder.record(
-                    p,
-                    StepRecord(
-                        prompt_ids=prompts[row],
-                        action_ids=sample.token_ids,
-                        logprobs=sample.logprobs,
-                        entropies=sample.entropies,
-                        action_text=action,
-                        observation=res.observation,
-                        reward=float(res.reward),
-                        state_text=p.episode.current or p.episode.room,
-                        invalid=action is None or bool(res.info.get("invalid_action", False)),
-                    ),
-                )
-                p.episode.record(action or "", res.observation, admissible_actions(res.info))
-                if res.done:
-                    self._finish(p, res.info)
-                else:
-                    still.append(p)
-            live[:] = still
-            self.turn += 1
+        """Plays every live path to its end, the cohorts' turns pipelined (module docstring).
+
+        On any exit the steps still in flight are cancelled (their sandboxes closed).
+        """
+        try:
+            while any(c.live or c.pending is not None for c in self.cohorts):
+                for c in self.cohorts:
+                    if c.pending is not None:
+                        self._end_turn(c)
+                    if c.live:
+                        self._start_turn(c)
+        finally:
+            for c in self.cohorts:
+                if c.pending is not None:
+                    c.pending.cancel()
+                    c.pending = None
+
+    def _start_turn(self, c: _Cohort) -> None:
+        """Samples cohort c's actions (branching where the planner says) and submits its steps."""
+        prompts = [self.agent.encode(p.episode) for p in c.live]
+        with self.timer("sampling"):
+            ctx = self.policy.prefill(prompts)
+            self.stats.prefilled_tokens += ctx.prefilled_tokens
+            rows = list(range(len(c.live)))
+            samples = self._sample(c, ctx, rows)
+        tokens = sum(len(s.token_ids) for s in samples)
+        self.stats.generated_tokens += tokens
+        self.planner.costs.record(len(samples), tokens)
+        for p, s in zip(c.live, samples):
+            self.planner.charge(p, len(s.token_ids))
+        if self.planner.posthoc:
+            for p in c.live:
+                if p.depth == 0:
+                    p.history.append((self.pool.snapshot(p.sid), copy.deepcopy(p.episode)))
+                    self.stats.snapshots += 1
+        actions = [self.agent.parse(s.text) for s in samples]
+        with self.timer("env"):
+            c.pending = self.pool.submit_steps([(p.sid, a) for p, a in zip(c.live, actions)])
+        c.turn = (prompts, rows, samples, actions)
+        self.stats.env_steps += len(c.live)
+
+    def _end_turn(self, c: _Cohort) -> None:
+        """Collects cohort c's steps and records them; finished paths leave `c.live`."""
+        with self.timer("env"):
+            results = c.pending.results()
+        self.timer.seconds["env_busy"] += sum(c.pending.latencies)
+        c.pending = None
+        prompts, rows, samples, actions = c.turn
+        still = []
+        for p, row, sample, action, res in zip(c.live, rows, samples, actions, results):
+            self.builder.record(
+                p,
+                StepRecord(
+                    prompt_ids=prompts[row],
+                    action_ids=sample.token_ids,
+                    logprobs=sample.logprobs,
+                    entropies=sample.entropies,
+                    action_text=action,
+                    observation=res.observation,
+                    reward=float(res.reward),
+                    state_text=p.episode.current or p.episode.room,
+                    invalid=action is None or bool(res.info.get("invalid_action", False)),
+                ),
+            )
+            p.episode.record(action or "", res.observation, admissible_actions(res.info))
+            if res.done:
+                self._finish(p, res.info)
+            else:
+                still.append(p)
+        c.live[:] = still
+        c.turn = ()
+        c.turns += 1
 
     def _finish(self, p: LivePath, info: dict) -> None:
         self.builder.finish(p, info)
@@ -316,6 +390,7 @@ def play_forest(
     lengths: LengthModel | None = None,
     costs: CostModel | None = None,
     progress_bar=None,
+    cohorts: int = 1,
 ) -> RolloutForest:
     """Plays every task's forest to the end.
 
@@ -333,7 +408,13 @@ def play_forest(
       lengths, costs: running models of path length and tokens per action, kept by the caller
         across iterations so budgets use what earlier batches measured.
       progress_bar: optional tqdm bar advanced by finished episodes.
+      cohorts: groups of tasks whose turns are pipelined, so that one samples while the others'
+        environments step (1 = every path in lockstep; at most one per task). `forest.seconds`
+        has "sampling", "env" (blocked on the sandboxes) and "env_busy" (the steps' summed
+        send-to-reply latencies).
     """
+    if cohorts < 1:
+        raise ValueError(f"cohorts must be >= 1, got {cohorts}.")
     if spec.branches and (selector is None or lengths is None):
         raise ValueError("A branching TreeSpec needs a branch selector and a LengthModel.")
     import jax  # Local: keeps this module importable without initialising JAX.
@@ -348,7 +429,9 @@ def play_forest(
     )
     if not hasattr(agent, "parse"):
         agent = _PromptOnly(agent)
-    loop = _Lockstep(pool, policy, agent, tasks, spec, planner, rng, greedy, progress_bar)
+    loop = _Lockstep(
+        pool, policy, agent, tasks, spec, planner, rng, greedy, progress_bar, cohorts=cohorts
+    )
     try:
         loop.start()
         loop.run()
@@ -393,10 +476,12 @@ def play(
     max_prompt_tokens: int = 0,
     agent=None,
     progress_bar=None,
+    cohorts: int = 1,
 ) -> tuple[list[Trajectory], ComputeStats]:
     """Plays `group_size` independent episodes of each task (forks of one reset).
 
-    The turn format is `agent`, else the tiny one with `history_turns` and `max_prompt_tokens`.
+    The turn format is `agent`, else the tiny one with `history_turns` and `max_prompt_tokens`;
+    `cohorts` as in `play_forest`.
     Trajectory i * group_size + j is rollout j of task i.
     """
     if agent is None:
@@ -414,6 +499,7 @@ def play(
         rng=rng,
         greedy=greedy,
         progress_bar=progress_bar,
+        cohorts=cohorts,
     )
     trajs = forest.paths()
     trajs.sort(key=lambda tr: tr.group)  # Stable: keeps each task's rollouts in finishing order.

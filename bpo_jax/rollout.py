@@ -164,8 +164,9 @@ class _Lockstep:
         self.tasks, self.spec, self.planner = list(tasks), spec, planner
         self.greedy, self.bar = greedy, bar
         self.stats = ComputeStats()
-        # Seconds in the policy (sampling), blocked on the sandboxes (env), and the sum of the
-        # steps' own send-to-reply latencies (env_busy: env work, overlapped or not).
+        # Seconds in the policy (sampling), in the resets and root copies (reset), blocked on
+        # the steps (env), and the sum of the steps' own send-to-reply latencies (env_busy:
+        # env work, overlapped or not).
         self.timer = Timer()
         self.builder = ForestBuilder(len(self.tasks))
         self.finished_backbones: list[LivePath] = []
@@ -189,12 +190,12 @@ class _Lockstep:
 
     def start(self) -> None:
         k0 = self.spec.root_group
-        with self.timer("env"):
+        with self.timer("reset"):
             resets = self.pool.reset_many(self.tasks)
         self.stats.resets += len(resets)
         for ti, (sid, obs, info) in enumerate(resets):
             # The reset sandbox plays the first member; the others are live copies of it.
-            with self.timer("env"):
+            with self.timer("reset"):
                 sids = [sid, *self.pool.clone(sid, k0 - 1)]
             self.stats.clones += k0 - 1
             for fsid in sids:
@@ -410,8 +411,8 @@ def play_forest(
       progress_bar: optional tqdm bar advanced by finished episodes.
       cohorts: groups of tasks whose turns are pipelined, so that one samples while the others'
         environments step (1 = every path in lockstep; at most one per task). `forest.seconds`
-        has "sampling", "env" (blocked on the sandboxes) and "env_busy" (the steps' summed
-        send-to-reply latencies).
+        has "sampling", "reset" (resets and root copies), "env" (blocked on the steps) and
+        "env_busy" (the steps' summed send-to-reply latencies).
     """
     if cohorts < 1:
         raise ValueError(f"cohorts must be >= 1, got {cohorts}.")

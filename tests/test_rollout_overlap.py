@@ -192,30 +192,36 @@ def _shape(forest):
 
 
 @pytest.mark.parametrize(
-    "selector,spec",
+    "rule,spec",
     [
         (None, TreeSpec(root_group=3)),
-        (1, TreeSpec(root_group=2, num_branches=2, branch_budget=2, max_depth=2)),
-        (2, TreeSpec(root_group=2, num_branches=3, branch_budget=3, max_depth=3)),
+        ("interval=1", TreeSpec(root_group=2, num_branches=2, branch_budget=2, max_depth=2)),
+        ("interval=2", TreeSpec(root_group=2, num_branches=3, branch_budget=3, max_depth=3)),
+        ("posthoc_topk", TreeSpec(root_group=2, num_branches=2, branch_budget=2, max_depth=2)),
     ],
-    ids=["independent", "bpo-every-step", "bpo-every-2nd"],
+    ids=["independent", "bpo-every-step", "bpo-every-2nd", "posthoc"],
 )
-def test_cohorts_grow_the_same_forests_as_lockstep(selector, spec):
-    """Greedy actions and a rule that looks at each path's own step count: nothing a cohort
-    does depends on the others, so every tree is the same (a rule with a pooled history, or a
+def test_cohorts_grow_the_same_forests_as_lockstep(rule, spec):
+    """Greedy actions and rules that look at each path's own steps: nothing a cohort does
+    depends on the others, so every tree is the same (a rule with a pooled history, or a
     budget coin, sees the cohorts' turns in another order; see `bpo_jax.rollout`)."""
 
     def grow(cohorts, backend="inprocess"):
-        rule = None if selector is None else make_selector("interval", interval=selector)
-        forest, _, _ = _play("generic", spec, rule, cohorts, 5, greedy=True, backend=backend)
+        if rule is None:
+            selector = None
+        elif rule.startswith("interval="):
+            selector = make_selector("interval", interval=int(rule.split("=")[1]))
+        else:
+            selector = make_selector(rule)
+        forest, _, _ = _play("generic", spec, selector, cohorts, 5, greedy=True, backend=backend)
         return forest
 
     one = grow(1)
-    if selector is not None:
+    if rule is not None:
         assert one.num_branch_points > 5
     assert _shape(grow(2)) == _shape(one)
     assert _shape(grow(5)) == _shape(one)  # One cohort per task.
-    if selector == 1:  # Steps really in flight in worker processes while sampling.
+    if rule == "interval=1":  # Steps really in flight in worker processes while sampling.
         assert _shape(grow(2, backend="fork")) == _shape(one)
 
 

@@ -22,6 +22,7 @@ import os
 import select
 import threading
 import time
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from envs.base import StepResult
@@ -30,7 +31,7 @@ from envs.sandbox.base import Call, Sandbox, SandboxError
 if TYPE_CHECKING:
     from envs.sandbox.pool import SandboxPool
 
-__all__ = ["PendingSteps", "ReplyClock"]
+__all__ = ["PendingSteps", "ReplyClock", "read_arrived"]
 
 
 class PendingSteps:
@@ -128,6 +129,23 @@ class PendingSteps:
         self._running.discard(i)
         seen = self._pool._clock_take(self._keys.pop(i)) if i in self._keys else None
         self._arrived[i] = now if seen is None else min(now, seen)
+
+
+def read_arrived(calls: Sequence[Call]) -> set[int]:
+    """Reads what has arrived for the unfinished calls, without blocking; those now finished."""
+    by_fd: dict[int, list[int]] = {}
+    for i, call in enumerate(calls):
+        fd = call.fileno()
+        if fd is not None:
+            by_fd.setdefault(fd, []).append(i)
+    if by_fd:
+        poller = select.poll()
+        for fd in by_fd:
+            poller.register(fd, select.POLLIN | select.POLLHUP | select.POLLERR)
+        for fd, _ in poller.poll(0):
+            for i in by_fd[fd]:
+                calls[i].on_readable()
+    return {i for i, call in enumerate(calls) if call.fileno() is None}
 
 
 class ReplyClock:

@@ -39,7 +39,6 @@ import atexit
 import collections
 import itertools
 import os
-import select
 import signal
 import threading
 import time
@@ -50,7 +49,7 @@ from typing import Any
 from envs.base import StepResult, Task
 from envs.sandbox.backend import make_backend
 from envs.sandbox.base import Call, Sandbox, SandboxError, SandboxFault, SnapshotHandle
-from envs.sandbox.pending import PendingSteps, ReplyClock
+from envs.sandbox.pending import PendingSteps, ReplyClock, read_arrived
 from envs.sandbox.remote import wait_some
 
 __all__ = ["PendingSteps", "SandboxPool", "faulted_step_result"]
@@ -384,7 +383,7 @@ class SandboxPool:
         running = [(b, i) for b in self._open for i in b._running]
         if running:
             calls = [b._calls[i] for b, i in running]
-            finished = _read_arrived(calls)
+            finished = read_arrived(calls)
             if block and not finished:
                 finished = wait_some(calls, set(range(len(calls))))
             now = time.perf_counter()
@@ -446,23 +445,6 @@ class SandboxPool:
                 "reason": fault.reason,
             }
         )
-
-
-def _read_arrived(calls: Sequence[Call]) -> set[int]:
-    """Reads what has arrived for the unfinished calls, without blocking; those now finished."""
-    by_fd: dict[int, list[int]] = {}
-    for i, call in enumerate(calls):
-        fd = call.fileno()
-        if fd is not None:
-            by_fd.setdefault(fd, []).append(i)
-    if by_fd:
-        poller = select.poll()
-        for fd in by_fd:
-            poller.register(fd, select.POLLIN | select.POLLHUP | select.POLLERR)
-        for fd, _ in poller.poll(0):
-            for i in by_fd[fd]:
-                calls[i].on_readable()
-    return {i for i, call in enumerate(calls) if call.fileno() is None}
 
 
 def _task_name(task: Any) -> str:

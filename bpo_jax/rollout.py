@@ -19,13 +19,15 @@ sample cohort A's turn, submit its steps (`SandboxPool.submit_steps`), sample co
 while A's environments step, collect A, submit B, sample A's next turn, ... so the accelerator
 and the environment workers work at the same time. One cohort is plain lockstep.
 
-With contiguous cohorts the forest's segments, nodes and leaves are created in the same order
-as in plain lockstep (turn by turn, task by task), so for a deterministic policy and decisions
-that depend on a task's own paths only, the forest is the same for any number of cohorts. What
-the planner pools across tasks (the branch rule's running score history, the length and
-token-cost models, the acceptance coin) sees the other cohorts' turns in a different order, so
-adaptive thresholds and budget decisions can differ; each is still a function of h_t and of
-other tasks' past, never of the node's own future, so the estimator stays unbiased.
+Cohorts (`bpo_jax.cohorts`) change what is independent of the other tasks only in its order:
+for a deterministic policy and decisions that depend on a task's own paths, every task's tree is
+the same for any number of cohorts (its segments and leaves are numbered in another order: a
+cohort's paths are listed together). What the planner pools across tasks (the branch rule's
+running score history, the length and token-cost models, the acceptance coin, a uniform rule's
+draws) sees the other cohorts' turns in another order, so adaptive thresholds and budget
+decisions can differ; each is still a function of h_t and of other tasks' past, never of the
+node's own future, so the estimator stays unbiased. Each cohort keeps its own prefix cache, so
+a turn's prompts continue that cohort's previous turn.
 
 Roles: `_Lockstep` (here) owns the sandboxes and the policy calls; `forest_builder.ForestBuilder`
 the segments, nodes and leaves; `planner.BranchPlanner` the branch rule, branch budgets and
@@ -53,6 +55,7 @@ from bpo_jax.branching import (
     action_distribution_entropy,
     action_entropy,
 )
+from bpo_jax.cohorts import Cohort, split_cohorts
 from bpo_jax.forest import ComputeStats, RolloutForest, StepRecord, Trajectory
 from bpo_jax.forest_builder import ForestBuilder, LivePath
 from bpo_jax.planner import BranchPlanner
@@ -134,21 +137,6 @@ class TreeSpec:
         return self.branch_budget > 0 and self.max_depth > 0
 
 
-@dataclasses.dataclass
-class _Cohort:
-    """Tasks whose live paths play turns together; see the module docstring.
-
-    `turn` holds the turn being played between its sampling and its steps' collection.
-    """
-
-    index: int
-    key: object  # Its PRNG key; each of its turns folds in the turn counter.
-    live: list[LivePath] = dataclasses.field(default_factory=list)
-    turns: int = 0
-    pending: object = None  # `PendingSteps` of the submitted turn.
-    turn: tuple = ()  # (prompts, rows, samples, actions) of the submitted turn.
-
-
 class _Lockstep:
     """Plays every live path of a batch, cohort by cohort, one turn at a time (sandbox
     lifecycle and sampling).
@@ -158,8 +146,6 @@ class _Lockstep:
     """
 
     def __init__(self, pool, policy, agent, tasks, spec, planner, rng, greedy, bar, cohorts=1):
-        import jax  # Local: keeps this module importable without initialising JAX.
-
         self.pool, self.policy, self.agent, self.rng = pool, policy, agent, rng
         self.tasks, self.spec, self.planner = list(tasks), spec, planner
         self.greedy, self.bar = greedy, bar
@@ -170,13 +156,7 @@ class _Lockstep:
         self.timer = Timer()
         self.builder = ForestBuilder(len(self.tasks))
         self.finished_backbones: list[LivePath] = []
-        # Contiguous blocks of tasks; one cohort keeps the run's key as it is (plain lockstep).
-        n = max(1, min(cohorts, len(self.tasks)))
-        keys = [rng] if n == 1 else [jax.random.fold_in(rng, 2**21 + c) for c in range(n)]
-        self.cohorts = [_Cohort(c, keys[c]) for c in range(n)]
-        self.cohort_of = np.zeros((len(self.tasks),), np.int64)
-        for c, block in enumerate(np.array_split(np.arange(len(self.tasks)), n)):
-            self.cohort_of[block] = c
+        self.cohorts, self.cohort_of = split_cohorts(len(self.tasks), cohorts, rng, policy)
 
     @property
     def live(self) -> list[LivePath]:
@@ -206,7 +186,7 @@ class _Lockstep:
                 self.planner.add_backbone(path)
                 self.cohorts[self.cohort_of[ti]].live.append(path)
 
-    def _key(self, c: _Cohort, salt: int):
+    def _key(self, c: Cohort, salt: int):
         import jax  # Local: keeps this module importable without initialising JAX.
 
         return jax.random.fold_in(c.key, 2 * c.turns + salt)
@@ -240,7 +220,7 @@ class _Lockstep:
             child.sid = sid
         return children
 
-    def _probe_scores(self, c: _Cohort, live: list[LivePath], ctx) -> np.ndarray:
+    def _probe_scores(self, c: Cohort, live: list[LivePath], ctx) -> np.ndarray:
         """`action_samples` rule: per path, the entropy of `probes` extra actions drawn at h_t
         (NaN where the path cannot branch, or its task cannot pay for the probes). Their tokens
         are charged to the paths' tasks."""
@@ -265,7 +245,7 @@ class _Lockstep:
             scores[i] = action_distribution_entropy([self.agent.parse(s.text) for s in chunk])
         return scores
 
-    def _sample(self, c: _Cohort, ctx, rows: list[int]):
+    def _sample(self, c: Cohort, ctx, rows: list[int]):
         """This turn's actions: one per live path, children included (they join `c.live`)."""
         live = c.live
         if self.planner.selector is not None and self.planner.selector.probes:
@@ -303,11 +283,11 @@ class _Lockstep:
                     c.pending.cancel()
                     c.pending = None
 
-    def _start_turn(self, c: _Cohort) -> None:
+    def _start_turn(self, c: Cohort) -> None:
         """Samples cohort c's actions (branching where the planner says) and submits its steps."""
         prompts = [self.agent.encode(p.episode) for p in c.live]
         with self.timer("sampling"):
-            ctx = self.policy.prefill(prompts)
+            ctx = self._prefill(c, prompts)
             self.stats.prefilled_tokens += ctx.prefilled_tokens
             rows = list(range(len(c.live)))
             samples = self._sample(c, ctx, rows)
@@ -327,7 +307,17 @@ class _Lockstep:
         c.turn = (prompts, rows, samples, actions)
         self.stats.env_steps += len(c.live)
 
-    def _end_turn(self, c: _Cohort) -> None:
+    def _prefill(self, c: Cohort, prompts):
+        """The policy's prefill, continuing cohort c's own previous turn (its prefix cache)."""
+        if c.prefixes is None:
+            return self.policy.prefill(prompts)
+        own, self.policy.prefixes = self.policy.prefixes, c.prefixes
+        try:
+            return self.policy.prefill(prompts)
+        finally:
+            self.policy.prefixes = own
+
+    def _end_turn(self, c: Cohort) -> None:
         """Collects cohort c's steps and records them; finished paths leave `c.live`."""
         with self.timer("env"):
             results = c.pending.results()
@@ -369,7 +359,11 @@ class _Lockstep:
             self.bar.update(1)
 
     def release_all(self) -> None:
-        """Frees every snapshot and sandbox this batch still holds (on any exit)."""
+        """Frees every snapshot and sandbox this batch still holds, and the cohorts' prefix
+        caches (on any exit)."""
+        for c in self.cohorts:
+            if c.prefixes is not None:
+                c.prefixes.clear()
         for p in self.live + self.finished_backbones:
             for handle, _ in p.history:
                 self.pool.release(handle)

@@ -225,6 +225,56 @@ def test_cohorts_grow_the_same_forests_as_lockstep(rule, spec):
         assert _shape(grow(2, backend="fork")) == _shape(one)
 
 
+def _tiny_policy(tmp_path, prefix_reuse):
+    """The tiny decoder, random weights, over a tokenizer trained on counter-game text."""
+    from flax import nnx
+
+    from bpo_jax.agent import SPECIAL_SYMBOLS
+    from bpo_jax.models import config as model_config
+    from bpo_jax.models.llama import Transformer
+    from bpo_jax.policy import Policy
+    from bpo_jax.tokenizer import train_sentencepiece
+
+    words = ["inc", "dec", "double", "add 1", "add 2", "count=", "steps=", "trace="]
+    rng = np.random.default_rng(0)
+    texts = [" ".join(rng.choice(words, size=12)) + f" {i}" for i in range(300)]
+    tok = train_sentencepiece(texts, tmp_path / "sp", 320, user_defined_symbols=SPECIAL_SYMBOLS)
+    cfg = model_config.tiny(vocab_size=tok.vocab_size, max_seq_len=256)
+    graphdef, params = nnx.split(Transformer(cfg, rngs=nnx.Rngs(0)))
+    return Policy(
+        graphdef, params, tok, cfg, max_new_tokens=6, cache_len=192, prefix_reuse=prefix_reuse
+    )
+
+
+def test_each_cohort_continues_its_own_prefixes(tmp_path):
+    """With prefix reuse, cohorts taking turns prefill what lockstep prefills (a prefix cache
+    shared by the cohorts would continue the other cohort's prompts: nothing reused)."""
+    from bpo_jax.rollout import prompt_encoder
+
+    reuse = _tiny_policy(tmp_path, True)
+    plain = _tiny_policy(tmp_path, False)
+    # Different starts: each task's observations are its own (little to share across tasks).
+    tasks = [CounterTask(task_id=f"count-{i}", start=100 * i, target=50) for i in range(4)]
+    prefilled = {}
+    with SandboxPool(COUNTER, {"max_steps": 5}, backend="inprocess") as pool:
+        for name, policy, cohorts in (("c1", reuse, 1), ("c2", reuse, 2), ("plain", plain, 2)):
+            forest = play_forest(
+                pool,
+                policy,
+                prompt_encoder(policy.tokenizer, history_turns=2, max_prompt_tokens=96),
+                tasks,
+                TreeSpec(root_group=2),
+                rng=jax.random.key(0),
+                greedy=True,
+                cohorts=cohorts,
+            )
+            prefilled[name] = forest.stats.prefilled_tokens
+            assert forest.stats.env_steps == 4 * 2 * 5
+    assert reuse.prefixes.kept_rows == 0  # Freed when the batch ended.
+    assert prefilled["c2"] < 0.6 * prefilled["plain"], prefilled
+    assert prefilled["c2"] <= 1.1 * prefilled["c1"], prefilled
+
+
 def test_cohort_keys_are_distinct_and_deterministic():
     spec = TreeSpec(root_group=4)
     runs = [_play("generic", spec, None, c, 4, seed=5)[0] for c in (1, 2, 2)]

@@ -4,10 +4,11 @@ ALFWorld's CPU configuration (`experiments/alfworld.py:cpu`: fork-server sandbox
 policy with random weights, `env.num_workers` workers), batches of 4 tasks x 4 independent
 episodes (forks of one reset). Each batch is played with every `--cohorts` value in turn, on the
 same tasks (the order alternates from batch to batch), after one unrecorded warm-up batch per
-value (compilation). Per batch and value: rollout seconds, resets, sampling, time blocked on the
-env steps, the steps' summed send-to-reply latency, the environment floor (env steps x mean step
-latency / workers, `bpo_jax.timing.env_floor_metrics`) and the rollout's ratio to it, with and
-without the resets. Prints a table and writes JSON.
+value (compilation; a prompt-length bucket first seen later compiles then, reported per row).
+Per batch and value: rollout seconds, resets, sampling, time blocked on the env steps, the
+steps' summed send-to-reply latency, the environment floor (env steps x mean step latency /
+workers, `bpo_jax.timing.env_floor_metrics`) and the rollout's ratio to it, with and without
+the resets. Prints a table and writes JSON.
 
   source scripts/_data_env.sh
   python bench/bench_overlap.py --batches 3 --out bench/results/overlap.json
@@ -32,7 +33,7 @@ from bpo_jax import builders  # noqa: E402
 from bpo_jax.config import validate  # noqa: E402
 from bpo_jax.experiment import load_experiment  # noqa: E402
 from bpo_jax.rollout import TreeSpec, play_forest  # noqa: E402
-from bpo_jax.timing import env_floor_metrics  # noqa: E402
+from bpo_jax.timing import CompileClock, env_floor_metrics  # noqa: E402
 from bpo_jax.tokenizer import load_tokenizer  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -49,6 +50,7 @@ def make_policy(cfg, tokenizer_path: Path):
 
 
 def one_batch(pool, policy, agent, tasks, cohorts: int, seed: int) -> dict:
+    compile0 = CompileClock.total()
     t0 = time.perf_counter()
     forest = play_forest(
         pool, policy, agent, tasks, TreeSpec(root_group=4), rng=jax.random.key(seed),
@@ -63,6 +65,8 @@ def one_batch(pool, policy, agent, tasks, cohorts: int, seed: int) -> dict:
         "rollout_s": rollout,
         "reset_s": reset,
         "sampling_s": sec.get("sampling", 0.0),
+        # JAX compiling a new prompt-length bucket, inside `sampling_s` (and the rollout).
+        "compile_s": CompileClock.total() - compile0,
         "env_wait_s": sec.get("env", 0.0),
         "env_busy_s": sec.get("env_busy", 0.0),
         "step_latency_s": floor["time/env_step_latency_seconds"],
@@ -116,7 +120,8 @@ def main():
     }
     cols = [
         ("C", "cohorts", "d"), ("rollout s", "rollout_s", ".1f"), ("resets s", "reset_s", ".1f"),
-        ("sampling s", "sampling_s", ".1f"), ("env wait s", "env_wait_s", ".1f"),
+        ("sampling s", "sampling_s", ".1f"), ("of it compiling", "compile_s", ".1f"),
+        ("env wait s", "env_wait_s", ".1f"),
         ("step latency s", "step_latency_s", ".3f"), ("env floor s", "env_floor_s", ".1f"),
         ("rollout / floor", "over_floor", ".2f"),
         ("(rollout - resets) / floor", "over_floor_without_resets", ".2f"),

@@ -162,6 +162,7 @@ class ReplyClock:
         self._todo: list[tuple[str, int, int]] = []  # (op, key, fd) for the thread.
         self._seen: dict[int, float] = {}
         self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_w, False)
         self._thread: threading.Thread | None = None
         self._closed = False
 
@@ -174,7 +175,7 @@ class ReplyClock:
             self._thread = threading.Thread(target=self._run, name="sandbox-reply-clock")
             self._thread.daemon = True
             self._thread.start()
-        os.write(self._wake_w, b"w")
+        self._wake(b"w")
         return key
 
     def take(self, key: int) -> float | None:
@@ -185,7 +186,7 @@ class ReplyClock:
             if seen is None:
                 self._todo.append(("forget", key, -1))
         if seen is None:
-            os.write(self._wake_w, b"w")
+            self._wake(b"w")
         return seen
 
     def close(self) -> None:
@@ -193,6 +194,7 @@ class ReplyClock:
             return
         self._closed = True
         if self._thread is not None:
+            os.set_blocking(self._wake_w, True)  # The quit byte must get through.
             os.write(self._wake_w, b"q")
             self._thread.join()
         with self._lock:
@@ -202,6 +204,12 @@ class ReplyClock:
             self._todo.clear()
         os.close(self._wake_r)
         os.close(self._wake_w)
+
+    def _wake(self, byte: bytes) -> None:
+        try:
+            os.write(self._wake_w, byte)
+        except BlockingIOError:  # The pipe is full of wake-ups the thread has yet to read.
+            pass
 
     def _run(self) -> None:
         poller = select.poll()

@@ -301,6 +301,7 @@ class RolloutSpec(_Spec):
     rate_gain: float = at_least(0)  # Per batch: rate += gain * (1 - spend/budget); 0 = fixed.
     branch_schedule: str = one_of(lambda: BRANCH_SCHEDULES)  # threshold | spread (planner.py).
     entropy_per_step: bool  # selector=entropy: the quantile of entropies at the same step t.
+    overlap_cohorts: int = at_least(1)  # Task groups whose sampling and env steps overlap.
 
     def _check_fields(self):
         ranked = ("entropy", "uniform", "action_samples")  # Rules with `BranchSelector.ranks`.

@@ -67,6 +67,7 @@ def evaluate(
             greedy=greedy,
             agent=make_agent(cfg, policy.tokenizer),
             progress_bar=bar,
+            cohorts=cfg.rollout.overlap_cohorts,
         )
         return [
             (t.task_id, bool(t.won), t.total_reward, len(t.steps), [s.invalid for s in t.steps])

@@ -225,6 +225,12 @@ def base_config(
     # steps left), so each backbone spreads its branch points over its episode.
     c.rollout.branch_schedule = "threshold"
     c.rollout.entropy_per_step = False  # selector=entropy: quantile among entropies at step t.
+    # The batch's tasks play in this many cohorts whose turns are pipelined: one cohort samples
+    # on the accelerator while the others' environment steps run in the sandbox workers
+    # (`bpo_jax.rollout`; at most one cohort per task, 1 = plain lockstep). 2 is enough to hide
+    # whichever of sampling and env steps is the shorter; more cohorts make each sampling call
+    # smaller (less batching on the accelerator) for little more overlap.
+    c.rollout.overlap_cohorts = 2
 
     # Evaluation: greedy episodes before RL (after BC) and at the end.
     c.eval = ml_collections.ConfigDict()

@@ -24,7 +24,7 @@ from bpo_jax.estimators import gae, step_advantages, tree_advantages
 from bpo_jax.forest import ForestArrays, RolloutForest
 from bpo_jax.learner import Example
 from bpo_jax.rollout import TreeSpec, play_forest
-from bpo_jax.timing import CompileClock
+from bpo_jax.timing import CompileClock, env_floor_metrics
 
 
 def forest_examples(forest: RolloutForest, adv: np.ndarray, weights: np.ndarray) -> list[Example]:
@@ -166,6 +166,7 @@ def play_batch(pool, policy, tasks, cfg: ExperimentConfig, state: RolloutState, 
             selector=local.selector,
             lengths=local.lengths,
             costs=local.costs,
+            cohorts=cfg.rollout.overlap_cohorts,
         )
         return forest, None if direct else shares.recorded_delta(local)
 
@@ -249,6 +250,7 @@ def rl_iteration(
         # Where the rollout's time went, and JAX compilation during the iteration (inside
         # whichever phase first ran a program).
         **{f"time/{k}_seconds": v for k, v in forest.seconds.items()},
+        **env_floor_metrics(forest.seconds, forest.stats.env_steps, pool.num_workers, t_rollout),
         "time/compile_seconds": CompileClock.total() - compile0,
         **extra_metrics,
         **forest.stats.as_dict("compute/"),

@@ -129,6 +129,8 @@ def test_cpu_variant_runs_two_iterations(tmp_path):
         assert r["time/sampling_seconds"] > 0 and r["time/env_seconds"] > 0
         assert r["time/compile_seconds"] >= 0
         assert r["time/sampling_seconds"] + r["time/env_seconds"] <= r["train/rollout_seconds"]
+        # At most num_workers steps run at once, so the rollout cannot beat its env floor.
+        assert r["time/env_floor_seconds"] > 0 and r["time/rollout_over_floor"] >= 1.0
     assert iters[0]["time/compile_seconds"] > 0  # The first iteration compiles the update.
     assert (tmp_path / "tokenizer.model").exists()
     assert json.loads((tmp_path / "summary.json").read_text())["iterations"] == 2

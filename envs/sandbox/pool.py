@@ -3,7 +3,9 @@
 Sandboxes are named by integer ids. Batched calls (`reset_many`, `step_many`) send requests
 first and then collect replies as they arrive (poll), so with a process backend (`fork`, `criu`)
 all cores work at once; each request has its own deadline. At most `num_workers` requests are in
-flight at a time; as one finishes the next is sent.
+flight at a time; as one finishes the next is sent. `submit_steps` is `step_many` without the
+wait: it sends what fits and returns a `PendingSteps`, whose `results()` collects (the caller
+does other work in between; see `envs.sandbox.pending`).
 
 Faults: a sandbox whose worker crashes, hangs past its timeout, sends garbage, or whose env
 raises, is killed (with its whole process group or namespace) and closed. In `step_many` its
@@ -39,6 +41,7 @@ import itertools
 import os
 import signal
 import threading
+import time
 import weakref
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -46,9 +49,10 @@ from typing import Any
 from envs.base import StepResult, Task
 from envs.sandbox.backend import make_backend
 from envs.sandbox.base import Call, Sandbox, SandboxError, SandboxFault, SnapshotHandle
+from envs.sandbox.pending import PendingSteps, ReplyClock, read_arrived
 from envs.sandbox.remote import wait_some
 
-__all__ = ["SandboxPool", "faulted_step_result"]
+__all__ = ["PendingSteps", "SandboxPool", "faulted_step_result"]
 
 # Fault kinds after which a reset is worth one more try on a fresh sandbox.
 _RETRIED_KINDS = ("crash", "timeout", "garbage")
@@ -118,6 +122,9 @@ class SandboxPool:
         self._fault_log: collections.deque[dict[str, Any]] = collections.deque(maxlen=100)
         self._fault_kinds: collections.Counter[str] = collections.Counter()
         self._steps = 0
+        self._open: list[PendingSteps] = []  # Submitted step batches not collected, oldest first.
+        self._busy: set[int] = set()  # Sids with a step in one of them.
+        self._clock: ReplyClock | None = None
         self.closed = False
         _register(self)
 
@@ -185,9 +192,24 @@ class SandboxPool:
             `faulted_step_result(...)` (done, truncated, `info["error"]` says why) and is closed.
 
         Raises:
-            SandboxError: For an unknown or closed sid, a sid whose episode is over, or a sid
-                given twice (nothing is stepped then).
+            SandboxError: For an unknown or closed sid, a sid whose episode is over, a sid
+                given twice, or one with a step still in flight (nothing is stepped then).
         """
+        return self._submit(requests, watch=False).results()
+
+    def submit_steps(self, requests: Sequence[tuple[int, str | None]]) -> PendingSteps:
+        """`step_many` without the wait: sends the steps (as many as `num_workers` allows) and
+        returns at once; `.results()` of the returned batch is what `step_many` would return.
+
+        Until it is collected, its sids cannot be stepped, snapshotted or cloned (closing one
+        faults its step). A backend that steps in-process has finished every step on return.
+
+        Raises:
+            SandboxError: As `step_many` (nothing is sent then).
+        """
+        return self._submit(requests, watch=True)
+
+    def _submit(self, requests: Sequence[tuple[int, str | None]], watch: bool) -> PendingSteps:
         self._check_open()
         requests = list(requests)
         seen: set[int] = set()
@@ -196,26 +218,22 @@ class SandboxPool:
             if sid in seen:
                 raise SandboxError(f"sandbox {sid} appears twice in one step_many call.")
             seen.add(sid)
-            sandbox = self._get(sid)
+            sandbox = self._get_idle(sid)
             if sandbox.done:
                 raise SandboxError(
                     f"sandbox {sid}'s episode is over (after {sandbox.steps} steps); reset a new "
                     "sandbox, fork a snapshot, or close this one."
                 )
             sandboxes.append(sandbox)
-        calls = self._run(
-            [lambda s=s, a=a: s.start_step(a) for s, (_, a) in zip(sandboxes, requests)]
-        )
-        results = []
-        for (sid, _), sandbox, call in zip(requests, sandboxes, calls):
-            try:
-                results.append(call.result())
-            except SandboxFault as fault:
-                self._record_fault(sid, fault, sandbox.task)
-                self._sandboxes.pop(sid, None)
-                results.append(faulted_step_result(fault))
-        self._steps += len(requests)
-        return results
+        batch = PendingSteps(self, requests, sandboxes, watch)
+        self._open.append(batch)
+        self._busy.update(seen)
+        try:
+            self._send_queued()
+        except BaseException:
+            batch.cancel()
+            raise
+        return batch
 
     def step(self, sid: int, action: str | None) -> StepResult:
         """`step_many([(sid, action)])[0]`."""
@@ -226,7 +244,7 @@ class SandboxPool:
     def snapshot(self, sid: int) -> SnapshotHandle:
         """Saves sandbox `sid`'s current state; release the handle when done with it."""
         self._check_open()
-        return self._get(sid).snapshot()
+        return self._get_idle(sid).snapshot()
 
     def fork(self, handle: SnapshotHandle, n: int) -> list[int]:
         """`n` new live sandboxes at the snapshot's state; returns their ids."""
@@ -239,7 +257,7 @@ class SandboxPool:
         See `SandboxBackend.clone`: cheaper than snapshot + fork + release on the fork server.
         """
         self._check_open()
-        return self._adopt(self.backend.clone(self._get(sid), n))
+        return self._adopt(self.backend.clone(self._get_idle(sid), n))
 
     def _adopt(self, sandboxes: list[Sandbox]) -> list[int]:
         """Gives new sandboxes ids in this pool."""
@@ -253,7 +271,7 @@ class SandboxPool:
     def restore(self, sid: int, handle: SnapshotHandle) -> None:
         """Puts existing sandbox `sid` into the snapshot's state."""
         self._check_open()
-        self._get(sid).restore(handle)
+        self._get_idle(sid).restore(handle)
 
     def release(self, handle: SnapshotHandle) -> None:
         """Frees a snapshot; its handle is invalid afterwards."""
@@ -302,8 +320,14 @@ class SandboxPool:
         if self.closed:
             return
         self.closed = True
+        for batch in self._open:
+            batch.cancelled = True
+        self._open.clear()
+        self._busy.clear()
         self._sandboxes.clear()
         self.backend.close()
+        if self._clock is not None:
+            self._clock.close()
         _unregister(self)
 
     def __enter__(self) -> SandboxPool:
@@ -331,9 +355,72 @@ class SandboxPool:
             )
         return sandbox
 
+    def _get_idle(self, sid: int) -> Sandbox:
+        sandbox = self._get(sid)
+        if sid in self._busy:
+            raise SandboxError(
+                f"sandbox {sid} has a step in flight (submit_steps); collect its results first."
+            )
+        return sandbox
+
     def _check_open(self) -> None:
         if self.closed:
             raise SandboxError("this SandboxPool is closed.")
+
+    # Steps in flight (PendingSteps) ---------------------------------------------------------
+
+    def _send_queued(self) -> None:
+        """Sends queued steps, oldest batch first, while fewer than `num_workers` are running."""
+        room = self.num_workers - sum(len(b._running) for b in self._open)
+        for batch in self._open:
+            while room > 0 and batch._queue:
+                room -= batch._send_next()
+
+    def _progress(self, block: bool) -> None:
+        """Reads the replies that have arrived (with `block`, waits until one does), then sends
+        what fits. Replies are read before any deadline is checked: one that arrived while the
+        caller was busy elsewhere is not a hang."""
+        running = [(b, i) for b in self._open for i in b._running]
+        if running:
+            calls = [b._calls[i] for b, i in running]
+            finished = read_arrived(calls)
+            if block and not finished:
+                finished = wait_some(calls, set(range(len(calls))))
+            now = time.perf_counter()
+            for j in finished:
+                b, i = running[j]
+                b._arrive(i, now)
+        self._send_queued()
+
+    def _collect(self, batch: PendingSteps, calls: list[Call]) -> list[StepResult]:
+        """A finished batch's results, `step_many`'s way (faulted sandboxes are closed)."""
+        self._drop(batch)
+        results = []
+        for (sid, _), sandbox, call in zip(batch.requests, batch._sandboxes, calls):
+            try:
+                results.append(call.result())
+            except SandboxFault as fault:
+                self._record_fault(sid, fault, sandbox.task)
+                self._sandboxes.pop(sid, None)
+                results.append(faulted_step_result(fault))
+        self._steps += len(batch.requests)
+        return results
+
+    def _drop(self, batch: PendingSteps) -> None:
+        if batch in self._open:
+            self._open.remove(batch)
+        self._busy.difference_update(sid for sid, _ in batch.requests)
+
+    def _clock_watch(self, fd: int) -> int:
+        if self._clock is None:
+            self._clock = ReplyClock()
+        return self._clock.watch(fd)
+
+    def _clock_take(self, key: int) -> float | None:
+        return None if self._clock is None else self._clock.take(key)
+
+    def _clock_forget(self, key: int) -> None:
+        self._clock_take(key)
 
     def _run(self, starters: Sequence[Callable[[], Call]]) -> list[Call]:
         """Starts the calls (at most `num_workers` in flight) and waits for all of them."""

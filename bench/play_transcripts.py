@@ -14,7 +14,8 @@ sums up, over all the turns played:
       --set env.eval_split=dev --tasks=4 --json=/tmp/transcripts.json
 
 `--source` is a run directory with `config.json` and `checkpoints/`; its saved config is used
-(its splits, step limit and turn format), with `--set` overrides on top.
+(its splits, step limit and turn format) over today's `--config` defaults, with `--set`
+overrides on top.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ import jax
 
 from bpo_jax.config import validate
 from bpo_jax.evaluation import make_agent
+from bpo_jax.experiment import load_experiment
 from bpo_jax.rollout import play
 from bpo_jax.train import open_run, setup
 from envs.alfworld.inadmissible import room_receptacles
@@ -68,6 +70,7 @@ def summarise(episodes: list[dict]) -> dict:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--source", required=True, help="run directory whose policy is played")
+    ap.add_argument("--config", default="experiments/alfworld.py:cpu")
     ap.add_argument("--tasks", type=int, default=4, help="first N games of the first split")
     ap.add_argument("--quiet", action="store_true", help="print the summary only")
     ap.add_argument("--json", default="")
@@ -76,9 +79,20 @@ def main(argv=None) -> int:
     source = Path(args.source).absolute()
     if not (source / "checkpoints").is_dir() or not (source / "config.json").is_file():
         ap.error(f"--source={source} needs config.json and a checkpoints/ folder")
-    import ml_collections
-
-    raw = ml_collections.ConfigDict(json.loads((source / "config.json").read_text()))
+    # Today's config of the experiment, with every field the run saved (an older run's config
+    # may lack fields added since; they keep today's defaults).
+    saved = json.loads((source / "config.json").read_text())
+    path, _, variant = args.config.partition(":")
+    raw = load_experiment(path).get_config(variant)
+    for section, value in saved.items():
+        if section not in raw:
+            continue
+        if isinstance(value, dict):
+            for name, v in value.items():
+                if name in raw[section]:
+                    raw[section][name] = tuple(v) if isinstance(v, list) else v
+        else:
+            raw[section] = value
     raw.init_from = str(source)
     raw.train.iterations = 0
     raw.eval.num_tasks = 0

@@ -18,6 +18,8 @@ from pathlib import Path
 
 from bpo_jax.stats import wilson_ci
 
+SORT_KEYS = ("demos", "bc_steps", "max_steps", "recovery", "history_turns")
+
 
 def row(run: Path) -> dict | None:
     cfg = json.loads((run / "config.json").read_text())
@@ -30,6 +32,8 @@ def row(run: Path) -> dict | None:
         "demos": cfg["bc"].get("demos", "walkthrough"),
         "bc_steps": cfg["bc"]["steps"],
         "max_steps": cfg["env"]["max_steps"],
+        "recovery": cfg["bc"].get("recovery", 0.0),  # Runs before bc.recovery had none.
+        "history_turns": cfg["agent"]["history_turns"],
     }
     for kind, key in (("greedy", "before_rl/dev"), ("sampled", "before_rl/dev/sampled")):
         if key not in evals:
@@ -43,8 +47,9 @@ def row(run: Path) -> dict | None:
 
 def markdown(rows: list[dict]) -> str:
     lines = [
-        "| demos | BC steps | max_steps | greedy dev success (95% CI) | sampled (95% CI) |",
-        "|---|---|---|---|---|",
+        "| demos | BC steps | max_steps | recovery | history | greedy dev success (95% CI) "
+        "| sampled (95% CI) |",
+        "|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         cells = []
@@ -56,7 +61,8 @@ def markdown(rows: list[dict]) -> str:
             else:
                 cells.append("n/a")
         lines.append(
-            f"| {r['demos']} | {r['bc_steps']} | {r['max_steps']} | {cells[0]} | {cells[1]} |"
+            f"| {r['demos']} | {r['bc_steps']} | {r['max_steps']} | {r['recovery']} "
+            f"| {r['history_turns']} | {cells[0]} | {cells[1]} |"
         )
     return "\n".join(lines)
 
@@ -68,7 +74,7 @@ def main() -> None:
     args = parser.parse_args()
     rows = [r for d in sorted(Path(args.runs).iterdir()) if (d / "config.json").exists()
             for r in [row(d)] if r is not None]  # fmt: skip
-    rows.sort(key=lambda r: (r["demos"], r["bc_steps"], r["max_steps"]))
+    rows.sort(key=lambda r: tuple(r[k] for k in SORT_KEYS))
     print(markdown(rows))
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)

@@ -285,13 +285,14 @@ def test_second_sweep_in_the_same_folder_is_refused(setup, tmp_path):
 def test_paper_sweep_file_loads():
     sweep = sweep_lib.load_sweep(REPO / "experiments/paper/alfworld_cpu.py")
     runs = sweep_lib.expand(sweep)
-    assert len(runs) == 20  # A shared behaviour-cloning start per seed, then 3 algorithms.
-    assert [r.name for r in runs[:4]] == ["bc/seed_0", "bpo/seed_0", "grpo/seed_0", "rloo/seed_0"]
-    assert runs[1].init_from == "bc/seed_0" and runs[-1].name == "rloo/seed_4"
+    assert len(runs) == 16  # One behaviour-cloning start for all, then 3 algorithms x 5 seeds.
+    assert [r.name for r in runs[:4]] == ["bc/shared", "bpo/seed_0", "grpo/seed_0", "rloo/seed_0"]
+    assert all(r.init_from == "bc/shared" for r in runs[1:]) and runs[-1].name == "rloo/seed_4"
+    assert all(r.share_evals for r in runs)
     cwd = os.getcwd()
     os.chdir(REPO)  # The sweep's config path is relative to the repository root.
     try:
-        cfg = sweep_lib.resolve_config(runs[6])
+        cfg = sweep_lib.resolve_config(runs[5])
     finally:
         os.chdir(cwd)
     assert (cfg.train.algo, cfg.seed, cfg.env.name) == ("grpo", 1, "alfworld")

@@ -26,23 +26,19 @@ results or on the held-out games):
     makes RLOO and the tree estimate different length-normalised objectives (see
     `bpo_jax/estimators/kernels.py`); `path_mass` (the `pathmass` ablation) estimates grad J.
 
-STATUS (2026-12-01): NOT READY TO RUN. Two findings stopped the first attempt after its shared
-behaviour-cloning start (`bc/seed_0`), before any RL run:
-  - the BC policy (150 steps on the 24 training games) won 0 of 48 valid_seen games: it
-    memorises its training games, so every algorithm would start the held-out tables at zero;
-    the start must be a policy that wins held-out games (BC on every training game of the two
-    types, chosen on training / valid_seen games, never on results);
-  - at K0 = 3 the `action_samples` probes spent most of the one episode the backbones leave
-    (`bench/bench_branch_rules.py --set rollout.root_group=3`: 0 and 2 branch points in the
-    first two batches, at spend 0.93 and 1.13). Addressed: probes spend half of each task's
-    slack (`rollout.probe_share=0.5`), spread over its remaining steps: 4 batches spent 0.93
-    (95% CI 0.90-0.95) of the budget on 10 branch points at mean step 5.7, against 1.10 on 6,
-    all at t = 0, when probing every step (`docs/results.md`, `branch_rules_k0_3.json`).
-Left: the start policy (the first finding). `docs/start_policy.md` chooses it on held-out
-training games (`env.dev_fraction=0.3`, 55 dev games), never on the tables' games: a searching
-demonstrator that reads only the text (`bc.demos=search`) wins all 162 training games, but the
-first policy cloned from it (150 steps, max_steps 32) won 0 of 55 dev games (underfit: 1.8
-passes over its 1,326 pairs); the longer BC runs and the walkthrough row are still to run.
+STATUS (2026-12-01, evening): NOT READY TO RUN: no start policy is chosen yet.
+  - The first attempt's BC start (150 steps on 24 training games) won 0 of 48 valid_seen games:
+    every algorithm would have started the held-out tables at zero.
+  - Probe economics at K0 = 3: addressed (`rollout.probe_share=0.5`; docs/results.md).
+  - The start policy is being chosen on 55 development games held out of the training games
+    (`env.dev_fraction=0.3`), never on the tables' games (`docs/start_policy.md`). Measured so far:
+    search demos, 1,200 BC steps, 0/55; with recovery examples (`bc.recovery=0.5`) 1/55; a run
+    with 6 turns of history was going at the session's end.
+  When one is chosen, its BC fields go into OVERRIDES below (with `env.max_steps=32`, the limit
+  it was chosen at, and `env.dev_fraction=0.3`, so RL trains on the 107 games BC cloned), and
+  `bc/shared` runs it once for every seed (`bc_once`): seeds vary RL, from one start, as one
+  pretrained checkpoint starts every seed in the paper's setting. The algorithms of a seed share
+  their before-RL evaluation, and the greedy one is shared by every seed (`share_evals`).
 
 The fields a reader changes:
   - `OVERRIDES["rollout.root_group"]` (K0), `["rollout.num_branches"]` (K),
@@ -65,11 +61,13 @@ SEEDS = (0, 1, 2, 3, 4)
 OVERRIDES = {
     "train.iterations": 20,  # Long enough for the curves to say something (issue 13 point 6).
     # Held-out evaluation: every valid_seen and valid_unseen game of the two CPU task types (90),
-    # greedy and one sampled episode each, before RL, every 5 iterations and at the end.
+    # greedy and one sampled episode each, before RL, every 10 iterations and at the end.
     "env.eval_split": "valid_seen,valid_unseen",
     "eval.num_tasks": 0,
     "eval.sampled": True,
-    "eval.every": 5,  # The "updates to reach" column reads these points.
+    # The "updates to reach" column reads these points. One 90-game evaluation (greedy and
+    # sampled, 32 steps) costs about as much as ten RL iterations on this CPU.
+    "eval.every": 10,
     "train.group_size": 4,  # N of the independent baselines.
     "rollout.root_group": 3,  # K0 backbones per task (the map: see above).
     "rollout.num_branches": 2,  # K children per branch point.
@@ -97,5 +95,7 @@ def get_sweep() -> Sweep:
         seeds=SEEDS,
         overrides=OVERRIDES,
         ablations=ABLATIONS,
-        shared_bc=True,  # BC once per seed; every algorithm of the seed starts from it.
+        shared_bc=True,
+        bc_once=True,  # One BC start (bc/shared) for every run of every seed.
+        share_evals=True,  # Identical evaluations (the start's, per seed) are played once.
     )

@@ -335,6 +335,7 @@ def test_make_env_and_protocol():
         base.make_env("nethack")
 
 
+@pytest.mark.slow  # Minutes on 2 cores: CI's slow phase (the default suite stays short).
 def test_gymnasium_env_checker_passes():
     """check_env through gymnasium.make: reset without options draws a valid_seen game with
     the env's seeded generator; a sampled action (random printable text) is an invalid one."""
@@ -429,6 +430,7 @@ def parity_games(tasks):
     return chosen
 
 
+@pytest.mark.slow  # Minutes on 2 cores: CI's slow phase (the default suite stays short).
 def test_parity_with_official_wrappers(parity_games):
     """Observations (the first included), admissible commands, rewards, won and done agree step
     by step; every probe spelling the official game rejects is rejected here too."""

@@ -42,6 +42,7 @@ def test_unknown_accelerator_types_are_refused(bad):
         compile_tool.parse_topology(bad)
 
 
+@pytest.mark.slow  # Minutes on 2 cores: CI's slow phase (the default suite stays short).
 def test_compile_tool_on_a_small_topology_writes_the_report(tmp_path):
     """The tiny ALFWorld setting compiled for a v5e-16 slice (16 compile-only chips)."""
     out = tmp_path / "report.json"

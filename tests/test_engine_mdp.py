@@ -114,7 +114,9 @@ def assert_matches_exact(grads, exact, resolves: bool = True) -> np.ndarray:
         ("generic", make_selector("uniform", branch_prob=0.5, seed=3)),
         # The reward is decided by the first action; branch points come only later (t >= 1),
         # so only the root group can give a_0 its gradient.
-        ("first_action_decides", make_selector("interval", interval=1)),
+        pytest.param(
+            "first_action_decides", make_selector("interval", interval=1), marks=pytest.mark.slow
+        ),
     ],
 )
 def test_engine_forests_give_the_exact_policy_gradient(instance, selector):

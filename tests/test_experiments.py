@@ -136,6 +136,7 @@ def test_cpu_variant_runs_two_iterations(tmp_path):
     assert json.loads((tmp_path / "summary.json").read_text())["iterations"] == 2
 
 
+@pytest.mark.slow  # Minutes on 2 cores: CI's slow phase (the default suite stays short).
 def test_kl_reference_run_and_resume(tmp_path):
     """kl_coef > 0: the reference policy is kept, checkpointed, and restored on resume."""
     from bpo_jax.metrics import read_metrics
@@ -157,7 +158,7 @@ def test_kl_reference_run_and_resume(tmp_path):
     assert summary["rl_updates"] == summary["updates"] - cfg.bc.steps
 
 
-@pytest.mark.parametrize("algo", ["bpo", "ppo"])
+@pytest.mark.parametrize("algo", ["bpo", pytest.param("ppo", marks=pytest.mark.slow)])
 def test_tree_and_critic_algorithms_run(tmp_path, algo):
     """BPO grows trees on the fork-server ALFWorld pool; PPO fits its value head."""
     from bpo_jax.metrics import read_metrics
@@ -183,6 +184,7 @@ def test_tree_and_critic_algorithms_run(tmp_path, algo):
         assert all(np.isfinite(r["train/value_loss"]) for r in iters)
 
 
+@pytest.mark.slow  # Minutes on 2 cores: CI's slow phase (the default suite stays short).
 def test_init_from_and_held_out_splits(tmp_path):
     """RL starts from another run's policy (no BC of its own); every split is reported."""
     from bpo_jax.train import train_and_evaluate

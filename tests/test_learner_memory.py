@@ -117,7 +117,12 @@ def _pg_batch(rng, rows=8, length=12):
 
 
 @pytest.mark.parametrize(
-    "loss_agg, kl", [("token_mean", False), ("seq_mean", False), ("token_mean", True)]
+    "loss_agg, kl",
+    [
+        ("token_mean", False),
+        pytest.param("seq_mean", False, marks=pytest.mark.slow),
+        pytest.param("token_mean", True, marks=pytest.mark.slow),
+    ],
 )
 def test_gradient_accumulation_equals_the_whole_minibatch(loss_agg, kl):
     graphdef, params = _setup()

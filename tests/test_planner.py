@@ -135,6 +135,7 @@ def test_probes_spend_their_share_of_the_slack():
         TreeSpec(root_group=3, probe_share=0.0)
 
 
+@pytest.mark.slow  # Minutes on 2 cores: CI's slow phase (the default suite stays short).
 def test_probe_share_keeps_the_gradient_exact_and_branches_more_at_matched_spend():
     """K0 = 3 against a budget of 4 episodes leaves one episode of slack: probing every step
     spends it on probes; probing half of it leaves more for branches. Both stay unbiased."""

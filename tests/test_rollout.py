@@ -336,6 +336,7 @@ def walker(policy):
     )
 
 
+@pytest.mark.slow  # Minutes on 2 cores: CI's slow phase (the default suite stays short).
 def test_gradient_probe_reports_matched_compute_variances(pool, walker):
     from test_experiments import tiny_cpu_config
 

@@ -32,8 +32,8 @@ STATUS (2026-12-01, evening): NOT READY TO RUN: no start policy is chosen yet.
   - Probe economics at K0 = 3: addressed (`rollout.probe_share=0.5`; docs/results.md).
   - The start policy is being chosen on 55 development games held out of the training games
     (`env.dev_fraction=0.3`), never on the tables' games (`docs/start_policy.md`). Measured so far:
-    search demos, 1,200 BC steps, 0/55; with recovery examples (`bc.recovery=0.5`) 1/55; a run
-    with 6 turns of history was going at the session's end.
+    search demos, 1,200 BC steps, 0/55; with recovery examples (`bc.recovery=0.5`) 1/55; with
+    them and 6 turns of history 0/55 (greedy and sampled alike).
   When one is chosen, its BC fields go into OVERRIDES below (with `env.max_steps=32`, the limit
   it was chosen at, and `env.dev_fraction=0.3`, so RL trains on the 107 games BC cloned), and
   `bc/shared` runs it once for every seed (`bc_once`): seeds vary RL, from one start, as one

@@ -52,30 +52,30 @@ class _Walkthrough:
         del observation  # A walkthrough does not look.
 
 
-def inadmissible_turn_fn(env_name: str) -> Callable:
-    """`env_name`'s generator of commands the game cannot execute (`INADMISSIBLE_ACTIONS`)."""
+def _registered(registry: dict[str, str], env_name: str, what: str, instead: str):
+    """The object a "module:name" registry entry names for `env_name`, imported on demand."""
     import importlib
 
-    if env_name not in INADMISSIBLE_ACTIONS:
+    if env_name not in registry:
         raise ValueError(
-            f"no generator of inadmissible commands for environment {env_name!r}; known: "
-            f"{sorted(INADMISSIBLE_ACTIONS)} (set bc.recovery=0)."
+            f"no {what} for environment {env_name!r}; known: {sorted(registry)} ({instead})."
         )
-    module, name = INADMISSIBLE_ACTIONS[env_name].split(":")
+    module, name = registry[env_name].split(":")
     return getattr(importlib.import_module(module), name)
+
+
+def inadmissible_turn_fn(env_name: str) -> Callable:
+    """`env_name`'s generator of commands the game cannot execute (`INADMISSIBLE_ACTIONS`)."""
+    return _registered(
+        INADMISSIBLE_ACTIONS, env_name, "generator of inadmissible commands", "set bc.recovery=0"
+    )
 
 
 def search_expert_class(env_name: str):
     """The searching demonstrator class of `env_name` (`SEARCH_EXPERTS`)."""
-    import importlib
-
-    if env_name not in SEARCH_EXPERTS:
-        raise ValueError(
-            f"no searching demonstrator for environment {env_name!r}; known: "
-            f"{sorted(SEARCH_EXPERTS)} (use bc.demos='walkthrough')."
-        )
-    module, name = SEARCH_EXPERTS[env_name].split(":")
-    return getattr(importlib.import_module(module), name)
+    return _registered(
+        SEARCH_EXPERTS, env_name, "searching demonstrator", "use bc.demos='walkthrough'"
+    )
 
 
 def play_experts(pool, tasks: Sequence, make_expert: Callable) -> list[dict]:

@@ -12,9 +12,9 @@ from etils import epath
 
 from bpo_jax import agent as agent_lib
 from bpo_jax import distributed
-from bpo_jax.agent import SPECIAL_SYMBOLS
+from bpo_jax.agent import NOTES_SYMBOL, SPECIAL_SYMBOLS
 from bpo_jax.config import DTYPES, ExperimentConfig
-from bpo_jax.demos import corpus
+from bpo_jax.demos import corpus, notes_fn
 from bpo_jax.models import config as model_config
 from bpo_jax.models.factory import create_model
 from bpo_jax.policy import Policy
@@ -92,13 +92,19 @@ def build_tokenizer(cfg: ExperimentConfig, workdir: epath.Path, demos):
     path = workdir / "tokenizer.model"
     if path.exists():
         return load_tokenizer(path)
-    texts = corpus(demos, cfg.agent.history_turns)
+    notes = agent_notes(cfg)
+    texts = corpus(demos, cfg.agent.history_turns, notes)
     return train_sentencepiece(
         texts,
         workdir / "tokenizer",
         cfg.model.tokenizer_vocab_size,
-        user_defined_symbols=SPECIAL_SYMBOLS,
+        user_defined_symbols=SPECIAL_SYMBOLS + ((NOTES_SYMBOL,) if notes else ()),
     )
+
+
+def agent_notes(cfg: ExperimentConfig):
+    """The tiny agent's notes function for the environment (`agent.notes`), or None."""
+    return notes_fn(cfg.env.name) if cfg.agent.notes else None
 
 
 def make_agent(cfg: ExperimentConfig, tokenizer):
@@ -112,6 +118,7 @@ def make_agent(cfg: ExperimentConfig, tokenizer):
         max_prompt_tokens=a.max_prompt_tokens,
         env_name=cfg.env.name,
         max_steps=cfg.env.max_steps,
+        notes=agent_notes(cfg),
     )
 
 

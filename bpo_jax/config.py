@@ -28,7 +28,13 @@ from bpo_jax.branching import (
     ENTROPY_REDUCE,
     SELECTORS,
 )
-from bpo_jax.demos import DEMO_SOURCES, INADMISSIBLE_ACTIONS, SEARCH_EXPERTS, search_expert_class
+from bpo_jax.demos import (
+    AGENT_NOTES,
+    DEMO_SOURCES,
+    INADMISSIBLE_ACTIONS,
+    SEARCH_EXPERTS,
+    search_expert_class,
+)
 from bpo_jax.estimators import NORMALIZE
 from bpo_jax.forest import STEP_WEIGHTINGS
 from bpo_jax.learner import LOSS_AGGS
@@ -209,6 +215,13 @@ class AgentSpec(_Spec):
     history_turns: int = at_least(0)
     max_prompt_tokens: int = at_least(16)
     max_action_tokens: int = at_least(1)
+    # tiny: a <notes> section before the current observation, the environment's summary of the
+    # texts the episode has shown (where it is, what it holds, what it saw, what it has not
+    # visited; `AGENT_NOTES` in bpo_jax/demos.py, envs/alfworld/memory.py).
+    notes: bool = dataclasses.field(
+        default=False,
+        metadata={"check": _Check(lambda v: isinstance(v, bool), "must be True or False")},
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -390,6 +403,12 @@ class ExperimentConfig:
             raise ValueError(
                 f"config.bc.steps must be 0 with agent.format='chat' (behaviour cloning clones "
                 f"the tiny format's walkthrough actions), got {self.bc.steps!r}."
+            )
+        if a.notes and (a.format != "tiny" or self.env.name not in AGENT_NOTES):
+            raise ValueError(
+                f"config.agent.notes needs agent.format='tiny' and an environment with notes "
+                f"(there are for: {sorted(AGENT_NOTES)}), got format {a.format!r} and env.name "
+                f"{self.env.name!r}; set agent.notes=False."
             )
         if self.bc.demos == "search" and self.bc.steps:
             self._check_search_demos()

@@ -31,6 +31,10 @@ SEARCH_EXPERTS = {"alfworld": "envs.alfworld.search_expert:SearchExpert"}
 # command the game cannot execute, and its answer (recovery examples, `bc.recovery`).
 INADMISSIBLE_ACTIONS = {"alfworld": "envs.alfworld.inadmissible:inadmissible_turn"}
 
+# Environment name -> "module:function" of `(EpisodeText) -> str`: the tiny agent's notes on
+# what the episode's texts have shown (`agent.notes`; `bpo_jax.agent.tiny`).
+AGENT_NOTES = {"alfworld": "envs.alfworld.memory:notes"}
+
 # The cache file of each source in the run's workdir.
 _CACHE_NAMES = {"walkthrough": "expert_demos.json", "search": "search_demos.json"}
 
@@ -69,6 +73,11 @@ def inadmissible_turn_fn(env_name: str) -> Callable:
     return _registered(
         INADMISSIBLE_ACTIONS, env_name, "generator of inadmissible commands", "set bc.recovery=0"
     )
+
+
+def notes_fn(env_name: str) -> Callable:
+    """`env_name`'s notes for the tiny agent (`AGENT_NOTES`)."""
+    return _registered(AGENT_NOTES, env_name, "agent notes", "set agent.notes=False")
 
 
 def search_expert_class(env_name: str):
@@ -168,12 +177,12 @@ def _episodes(demo: dict):
         ep.record(action, obs)
 
 
-def corpus(demos: Sequence[dict], history_turns: int) -> list[str]:
+def corpus(demos: Sequence[dict], history_turns: int, notes: Callable | None = None) -> list[str]:
     """Text for training a tokenizer: every prompt and action the expert episodes produce."""
     texts = []
     for demo in demos:
         for ep, action in _episodes(demo):
-            texts.append("".join(build_prompt(ep, history_turns)) + " " + action)
+            texts.append("".join(build_prompt(ep, history_turns, notes)) + " " + action)
     return texts
 
 
@@ -186,6 +195,7 @@ def bc_examples(
     recovery: float = 0.0,
     wrong_turn: Callable | None = None,
     seed: int = 0,
+    notes: Callable | None = None,
 ):
     """(sequence, action_start) pairs: prompt tokens then the expert action and a stop token.
 
@@ -194,13 +204,14 @@ def bc_examples(
     a command the game cannot execute, appended to the history, with the expert's own action as
     the label: the game's state is unchanged by such a command, so that is the expert's action
     there. The draws are seeded by `seed` and the demo's index (the same examples every time).
+    `notes`: the tiny agent's notes (`bpo_jax.agent.tiny`), as the agent will write them.
     """
     if recovery and wrong_turn is None:
         raise ValueError("bc_examples: recovery > 0 needs wrong_turn (inadmissible_turn_fn).")
     out = []
 
     def example(ep, action):
-        prompt = encode_prompt(tokenizer, ep, history_turns, max_prompt_tokens)
+        prompt = encode_prompt(tokenizer, ep, history_turns, max_prompt_tokens, notes=notes)
         act = tokenizer.encode(" " + action) + [tokenizer.eos_id]
         return prompt + act, len(prompt)
 

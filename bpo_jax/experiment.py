@@ -119,6 +119,9 @@ def base_config(
     c.agent.history_turns = 2
     c.agent.max_prompt_tokens = max_prompt_tokens  # Longest prompt; the oldest turns drop first.
     c.agent.max_action_tokens = max_action_tokens  # Longest generated action.
+    # tiny only: a <notes> section, the environment's summary of the texts seen so far
+    # (ALFWorld: where the agent is, what it holds and saw, what it has not visited).
+    c.agent.notes = False
 
     # Sampling during rollouts (evaluation is greedy).
     c.sampler = ml_collections.ConfigDict()

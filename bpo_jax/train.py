@@ -33,6 +33,7 @@ from flax import nnx
 from bpo_jax import distributed, files, learner
 from bpo_jax.algorithms import get_algorithm
 from bpo_jax.builders import (
+    agent_notes,
     build_model,
     build_tokenizer,
     make_critic,
@@ -300,6 +301,7 @@ def behaviour_cloning(run: Run, state: RunState) -> RunState:
             recovery=cfg.bc.recovery,
             wrong_turn=inadmissible_turn_fn(cfg.env.name) if cfg.bc.recovery else None,
             seed=cfg.seed,
+            notes=agent_notes(cfg),
         )
         if not examples:
             raise RuntimeError(

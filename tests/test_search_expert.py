@@ -151,3 +151,21 @@ def test_search_decides_from_the_observation_text_only(played, monkeypatch):
             assert blind.act() == action
             blind.observe(observation.replace(f"a {obj}", "a vase 99"))
         assert blind.act() != demo["actions"][take]
+
+
+def test_the_agents_notes_hold_the_demonstrators_memory(played):
+    """At every step of the real games, the tiny agent's notes (`agent.notes`) render exactly
+    the memory the demonstrator decides from: a policy cloned with notes sees that state."""
+    from bpo_jax.agent import EpisodeText
+    from envs.alfworld.memory import notes
+
+    _, demos = played
+    for demo in demos:
+        expert = SearchExpert(demo["first_obs"], demo["goal"])
+        ep = EpisodeText.start(demo["first_obs"], goal=demo["goal"])
+        for action, observation in zip(demo["actions"], demo["observations"]):
+            assert notes(ep) == expert.memory.render()
+            assert expert.act() == action
+            expert.observe(observation)
+            ep.record(action, observation)
+        assert notes(ep) == expert.memory.render()

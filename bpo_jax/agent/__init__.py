@@ -18,6 +18,7 @@ from bpo_jax.agent.chat import ChatAgent, parse_chat_action
 from bpo_jax.agent.episode import EpisodeText, admissible_actions, clean_text
 from bpo_jax.agent.instructions import Instruction, instruction_for
 from bpo_jax.agent.tiny import (
+    NOTES_SYMBOL,
     SPECIAL_SYMBOLS,
     TinyAgent,
     build_prompt,
@@ -27,6 +28,7 @@ from bpo_jax.agent.tiny import (
 
 __all__ = [
     "AGENT_FORMATS",
+    "NOTES_SYMBOL",
     "SPECIAL_SYMBOLS",
     "ChatAgent",
     "EpisodeText",
@@ -53,6 +55,7 @@ def make_agent(
     max_prompt_tokens: int,
     env_name: str = "",
     max_steps: int | None = None,
+    notes=None,
 ):
     """The agent of format `fmt` (one of `AGENT_FORMATS`).
 
@@ -63,13 +66,16 @@ def make_agent(
       max_prompt_tokens: The prompt's token budget.
       env_name: The environment as `config.env.name` names it ("chat": picks its instruction).
       max_steps: The episode's step limit ("chat": told to the model).
+      notes: "tiny": the agent's notes on the episode so far (`EpisodeText -> str`), or None.
 
     Raises:
       ValueError: For an unknown format, or "chat" with a tokenizer without a chat template.
     """
     if fmt == "tiny":
-        return TinyAgent(tokenizer, history_turns, max_prompt_tokens)
+        return TinyAgent(tokenizer, history_turns, max_prompt_tokens, notes)
     if fmt == "chat":
+        if notes is not None:
+            raise ValueError("agent notes are a tiny-format section; the chat format has none.")
         return ChatAgent(
             tokenizer, instruction_for(env_name), history_turns, max_prompt_tokens, max_steps
         )

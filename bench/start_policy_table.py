@@ -18,7 +18,7 @@ from pathlib import Path
 
 from bpo_jax.stats import wilson_ci
 
-SORT_KEYS = ("demos", "bc_steps", "max_steps", "recovery", "history_turns")
+SORT_KEYS = ("demos", "bc_steps", "max_steps", "recovery", "history_turns", "notes")
 
 
 def row(run: Path) -> dict | None:
@@ -34,6 +34,7 @@ def row(run: Path) -> dict | None:
         "max_steps": cfg["env"]["max_steps"],
         "recovery": cfg["bc"].get("recovery", 0.0),  # Runs before bc.recovery had none.
         "history_turns": cfg["agent"]["history_turns"],
+        "notes": cfg["agent"].get("notes", False),  # Runs before agent.notes had none.
     }
     for kind, key in (("greedy", "before_rl/dev"), ("sampled", "before_rl/dev/sampled")):
         if key not in evals:
@@ -47,9 +48,9 @@ def row(run: Path) -> dict | None:
 
 def markdown(rows: list[dict]) -> str:
     lines = [
-        "| demos | BC steps | max_steps | recovery | history | greedy dev success (95% CI) "
-        "| sampled (95% CI) |",
-        "|---|---|---|---|---|---|---|",
+        "| demos | BC steps | max_steps | recovery | history | notes "
+        "| greedy dev success (95% CI) | sampled (95% CI) |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         cells = []
@@ -62,7 +63,7 @@ def markdown(rows: list[dict]) -> str:
                 cells.append("n/a")
         lines.append(
             f"| {r['demos']} | {r['bc_steps']} | {r['max_steps']} | {r['recovery']} "
-            f"| {r['history_turns']} | {cells[0]} | {cells[1]} |"
+            f"| {r['history_turns']} | {'yes' if r['notes'] else 'no'} | {cells[0]} | {cells[1]} |"
         )
     return "\n".join(lines)
 

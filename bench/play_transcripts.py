@@ -67,22 +67,19 @@ def summarise(episodes: list[dict]) -> dict:
     }
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--source", required=True, help="run directory whose policy is played")
-    ap.add_argument("--config", default="experiments/alfworld.py:cpu")
-    ap.add_argument("--tasks", type=int, default=4, help="first N games of the first split")
-    ap.add_argument("--quiet", action="store_true", help="print the summary only")
-    ap.add_argument("--json", default="")
-    ap.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE")
-    args = ap.parse_args(argv)
-    source = Path(args.source).absolute()
+def saved_run_config(source: Path, config: str, sets=()):
+    """The validated config that replays a saved run's policy: today's config of `config`
+    (path[:variant]) with every field the run saved (an older run's config may lack fields added
+    since; they keep today's defaults), `init_from` the run, no training, every evaluation task,
+    then the `sets` ("SECTION.FIELD=VALUE") on top.
+
+    Raises:
+      ValueError: `source` is not a run directory, or a `sets` item names no config field.
+    """
     if not (source / "checkpoints").is_dir() or not (source / "config.json").is_file():
-        ap.error(f"--source={source} needs config.json and a checkpoints/ folder")
-    # Today's config of the experiment, with every field the run saved (an older run's config
-    # may lack fields added since; they keep today's defaults).
+        raise ValueError(f"--source={source} needs config.json and a checkpoints/ folder")
     saved = json.loads((source / "config.json").read_text())
-    path, _, variant = args.config.partition(":")
+    path, _, variant = config.partition(":")
     raw = load_experiment(path).get_config(variant)
     for section, value in saved.items():
         if section not in raw:
@@ -97,14 +94,30 @@ def main(argv=None) -> int:
     raw.train.iterations = 0
     raw.eval.num_tasks = 0
     raw.bc.steps = 0  # The policy is the checkpoint's; no demos are needed.
-    for item in args.set:
+    for item in sets:
         field, eq, value = item.partition("=")
         section, _, name = field.partition(".")
         if not eq or not name or section not in raw or name not in raw[section]:
-            ap.error(f"--set {item!r}: expected SECTION.FIELD=VALUE naming a config field")
+            raise ValueError(f"--set {item!r}: expected SECTION.FIELD=VALUE naming a config field")
         old = raw[section][name]
         raw[section][name] = value.lower() == "true" if isinstance(old, bool) else type(old)(value)
-    cfg = validate(raw)
+    return validate(raw)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--source", required=True, help="run directory whose policy is played")
+    ap.add_argument("--config", default="experiments/alfworld.py:cpu")
+    ap.add_argument("--tasks", type=int, default=4, help="first N games of the first split")
+    ap.add_argument("--quiet", action="store_true", help="print the summary only")
+    ap.add_argument("--json", default="")
+    ap.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE")
+    args = ap.parse_args(argv)
+    source = Path(args.source).absolute()
+    try:
+        cfg = saved_run_config(source, args.config, args.set)
+    except ValueError as e:
+        ap.error(str(e))
     with tempfile.TemporaryDirectory() as tmp, open_run(cfg, Path(tmp)) as (run, mcfg, params):
         state = setup(run, mcfg, params)
         run.policy.params = state.train.params

@@ -99,6 +99,7 @@ def build_tokenizer(cfg: ExperimentConfig, workdir: epath.Path, demos):
         workdir / "tokenizer",
         cfg.model.tokenizer_vocab_size,
         user_defined_symbols=SPECIAL_SYMBOLS + ((NOTES_SYMBOL,) if notes else ()),
+        split_digits=cfg.model.tokenizer_split_digits,
     )
 
 

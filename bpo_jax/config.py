@@ -38,7 +38,7 @@ from bpo_jax.demos import (
 from bpo_jax.estimators import NORMALIZE
 from bpo_jax.forest import STEP_WEIGHTINGS
 from bpo_jax.learner import LOSS_AGGS
-from bpo_jax.models.config import PRESETS
+from bpo_jax.models.config import PRESETS, RANDOM_INIT_PRESETS
 from bpo_jax.models.llama import REMAT_POLICIES
 
 # The algorithm registry under its old name (algorithm name -> `Algorithm`).
@@ -125,9 +125,14 @@ class ModelSpec(_Spec):
     param_dtype: str = one_of(lambda: DTYPES)
     remat: str = one_of(lambda: REMAT_POLICIES)  # Decoder layers' rematerialisation in updates.
     scan_layers: bool  # Updates run the layers as one lax.scan (faster compiles).
+    # The trained tokenizer writes each digit as its own piece (False: " 12" may be one piece).
+    tokenizer_split_digits: bool = dataclasses.field(
+        default=True,
+        metadata={"check": _Check(lambda v: isinstance(v, bool), "must be True or False")},
+    )
 
     def _check_fields(self):
-        if self.preset != "tiny" and not self.hf_checkpoint:
+        if self.preset not in RANDOM_INIT_PRESETS and not self.hf_checkpoint:
             self._fail(
                 "hf_checkpoint",
                 self.hf_checkpoint,

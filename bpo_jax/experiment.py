@@ -79,9 +79,12 @@ def base_config(
     # (a directory with config.json, *.safetensors and tokenizer.json) loads pretrained weights.
     c.model = ml_collections.ConfigDict()
     c.model.preset = variants.get("model", "tiny" if cpu else "qwen2_5_7b")
-    c.model.hf_checkpoint = ""  # Required for the 7B/8B presets; empty = random init (tiny only).
+    c.model.hf_checkpoint = ""  # Required for the 7B/8B presets; empty = random init (tiny, small).
     c.model.tokenizer = ""  # Path to a tokenizer; empty = the checkpoint's, or train one (tiny).
     c.model.tokenizer_vocab_size = 1024  # SentencePiece vocabulary trained for the tiny policy.
+    # Its digits one piece each (False: frequent numbers with their space, " 3", are pieces, so
+    # an ALFWorld name like "drawer 3" is two tokens instead of three).
+    c.model.tokenizer_split_digits = True
     c.model.max_seq_len = 512 if cpu else 8192  # KV-cache capacity and longest training sequence.
     c.model.dtype = "float32" if cpu else "bfloat16"  # Activation dtype.
     c.model.param_dtype = "float32"  # Parameter (and optimizer-state) dtype.

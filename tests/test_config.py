@@ -120,3 +120,17 @@ def test_specs_are_frozen_and_check_on_replace():
         v.train.lr = 1.0
     with pytest.raises(ValueError, match="config.train.lr must be > 0"):
         dataclasses.replace(v.train, lr=0.0)
+
+
+def test_random_init_presets_need_no_checkpoint_and_the_others_do():
+    from bpo_jax.models.config import get_preset
+
+    cfg = cpu_config()
+    cfg.model.preset = "small"
+    assert validate(cfg).model.preset == "small"
+    small, tiny = get_preset("small"), get_preset("tiny")
+    assert (small.num_layers, small.hidden_size) == (6, 256)
+    assert small.vocab_size == tiny.vocab_size and small.rope_theta == tiny.rope_theta
+    cfg.model.preset = "qwen2_5_7b"
+    with pytest.raises(ValueError, match="hf_checkpoint is required for preset 'qwen2_5_7b'"):
+        validate(cfg)

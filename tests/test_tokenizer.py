@@ -117,6 +117,19 @@ def test_sentencepiece_training_is_deterministic(tmp_path, model_type):
     assert a.path.read_bytes() == b.path.read_bytes()
 
 
+def test_sentencepiece_numbers_with_their_space_when_digits_are_not_split(tmp_path):
+    """split_digits=False: a receptacle's number is one piece with its space, so an ALFWorld
+    name is two tokens; by default each digit (and the space before it) is a piece."""
+    lines = alfworld_lines(300)
+    split = tok_lib.train_sentencepiece(lines, tmp_path / "split", 400)
+    joined = tok_lib.train_sentencepiece(lines, tmp_path / "joined", 400, split_digits=False)
+    pieces = lambda tok, text: [tok.decode([i]) for i in tok.encode(text)]  # noqa: E731
+    assert pieces(split, " drawer 12") == [" drawer", " ", "1", "2"]
+    assert pieces(joined, " drawer 3") == [" drawer", " 3"]
+    for text in (" take mug 4 from shelf 11", "drawer 123456 99"):
+        assert joined.decode(joined.encode(text)) == text
+
+
 def test_sentencepiece_training_errors(tmp_path):
     with pytest.raises(ValueError, match="vocab_size=100 is too small"):
         tok_lib.train_sentencepiece(["go to dresser 1"], tmp_path / "x", 100)

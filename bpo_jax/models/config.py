@@ -151,7 +151,18 @@ def tiny(**overrides) -> ModelConfig:
     return cfg.replace(**overrides)
 
 
-PRESETS = {"tiny": tiny, "qwen2_5_7b": qwen2_5_7b, "llama3_1_8b": llama3_1_8b}
+def small(**overrides) -> ModelConfig:
+    """The tiny policy's shape, wider and deeper (about 8x its compute per token): for
+    behaviour cloning that the tiny policy underfits (docs/start_policy.md)."""
+    return tiny(
+        hidden_size=256, intermediate_size=768, num_layers=6, num_heads=8, num_kv_heads=4
+    ).replace(**overrides)
+
+
+PRESETS = {"tiny": tiny, "small": small, "qwen2_5_7b": qwen2_5_7b, "llama3_1_8b": llama3_1_8b}
+# Presets a run may initialise at random (trained from scratch with their own tokenizer); the
+# others need a checkpoint.
+RANDOM_INIT_PRESETS = ("tiny", "small")
 
 
 def get_preset(name: str, **overrides) -> ModelConfig:

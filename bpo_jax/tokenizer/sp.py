@@ -129,6 +129,7 @@ def train_sentencepiece(
     *,
     model_type: str = "bpe",
     seed: int = 0,
+    split_digits: bool = True,
 ) -> SentencePieceTokenizer:
     """Trains a SentencePiece model on in-memory text and writes `<out_prefix>.model`.
 
@@ -150,6 +151,8 @@ def train_sentencepiece(
       user_defined_symbols: Strings that always encode to a single token.
       model_type: "bpe" or "unigram".
       seed: Seed for SentencePiece's sampling (matters for "unigram").
+      split_digits: Every digit is a piece of its own ("drawer 12" is " drawer", " ", "1",
+        "2"); False lets frequent numbers and their leading space be learned pieces (" 12").
 
     Returns:
       The trained tokenizer, loaded from the written file.
@@ -202,7 +205,7 @@ def train_sentencepiece(
         normalization_rule_name="identity",
         remove_extra_whitespaces=False,
         add_dummy_prefix=False,
-        split_digits=True,
+        split_digits=split_digits,
         # Observations can be long; the default 4192 bytes would silently drop them.
         max_sentence_length=1 << 16,
         shuffle_input_sentence=False,

@@ -18,7 +18,7 @@ from pathlib import Path
 
 from bpo_jax.stats import wilson_ci
 
-SORT_KEYS = ("demos", "bc_steps", "max_steps", "recovery", "history_turns", "notes")
+SORT_KEYS = ("demos", "bc_steps", "max_steps", "recovery", "history_turns", "notes", "digits")
 
 
 def row(run: Path) -> dict | None:
@@ -35,6 +35,8 @@ def row(run: Path) -> dict | None:
         "recovery": cfg["bc"].get("recovery", 0.0),  # Runs before bc.recovery had none.
         "history_turns": cfg["agent"]["history_turns"],
         "notes": cfg["agent"].get("notes", False),  # Runs before agent.notes had none.
+        # The tokenizer's digits: "split" one piece each (the default), "joined" " 3" a piece.
+        "digits": "split" if cfg["model"].get("tokenizer_split_digits", True) else "joined",
     }
     for kind, key in (("greedy", "before_rl/dev"), ("sampled", "before_rl/dev/sampled")):
         if key not in evals:
@@ -48,9 +50,9 @@ def row(run: Path) -> dict | None:
 
 def markdown(rows: list[dict]) -> str:
     lines = [
-        "| demos | BC steps | max_steps | recovery | history | notes "
+        "| demos | BC steps | max_steps | recovery | history | notes | digits "
         "| greedy dev success (95% CI) | sampled (95% CI) |",
-        "|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         cells = []
@@ -63,7 +65,8 @@ def markdown(rows: list[dict]) -> str:
                 cells.append("n/a")
         lines.append(
             f"| {r['demos']} | {r['bc_steps']} | {r['max_steps']} | {r['recovery']} "
-            f"| {r['history_turns']} | {'yes' if r['notes'] else 'no'} | {cells[0]} | {cells[1]} |"
+            f"| {r['history_turns']} | {'yes' if r['notes'] else 'no'} | {r['digits']} "
+            f"| {cells[0]} | {cells[1]} |"
         )
     return "\n".join(lines)
 

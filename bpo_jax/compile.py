@@ -187,6 +187,9 @@ def _replicated(x, mesh: Mesh):
 # ----------------------------------------------------------------------------- the programs
 
 
+PREFILL_BOUNDS = ("none", "capacity")
+
+
 def lower_update(cfg, mcfg, mesh: Mesh, length: int | None = None):
     """The RL update step at the config's minibatch, lowered (not compiled).
 
@@ -253,8 +256,17 @@ def rollout_rows(cfg, hosts: int | None = None) -> int:
     return -(-t.tasks_per_iter // shares) * t.group_size
 
 
-def lower_sampler(cfg, mcfg, mesh: Mesh, rows: int | None = None):
-    """The sampler's (prefill, decode) at `rows` rows (default: the rollout batch), lowered."""
+def lower_sampler(cfg, mcfg, mesh: Mesh, rows: int | None = None, prefill_bound: str = "none"):
+    """The sampler's (prefill, decode) at `rows` rows (default: the rollout batch), lowered.
+
+    `prefill_bound`: the prefill's static `offset_bound`. "none": every query attends to the
+    whole cache in one block (no bound); "capacity": the bound the sampler passes when some row
+    has a (nearly) full cache (`offset_bucket` never exceeds the capacity), the most the
+    sampler's own prefills attend to: each of the query blocks (`llama._causal_blocks`) over the
+    whole cache.
+    """
+    if prefill_bound not in PREFILL_BOUNDS:
+        raise ValueError(f"prefill_bound must be one of {PREFILL_BOUNDS}, got {prefill_bound!r}.")
     graphdef, params, _ = abstract_params(mcfg, mesh)
     rows = rollout_rows(cfg) if rows is None else rows
     capacity = cfg.agent.max_prompt_tokens + cfg.agent.max_action_tokens
@@ -265,7 +277,8 @@ def lower_sampler(cfg, mcfg, mesh: Mesh, rows: int | None = None):
     tokens = _abstract((rows, prompt), jnp.int32, mesh, ("batch", "length"))
     num_new = _abstract((rows,), jnp.int32, mesh, ("batch",))
     prefill = programs.prefill_program(graphdef, row_mesh, donate=True)
-    prefill_lowered = prefill.lower(params, cache, last, tokens, num_new)
+    bound = None if prefill_bound == "none" else capacity
+    prefill_lowered = prefill.lower(params, cache, last, tokens, num_new, offset_bound=bound)
     decode = programs.generate_program(graphdef, row_mesh, eos_ids=(0,), pad_id=0, donate=True)
     key = _replicated(jax.eval_shape(lambda: jax.random.key(0)), mesh)
     scalar = _replicated(jax.ShapeDtypeStruct((), jnp.float32), mesh)
@@ -388,6 +401,7 @@ def compile_report(
     programs_: Sequence[str] = ("update", "prefill", "decode"),
     num_slices: int = 1,
     sampler: str = "slice",
+    prefill_bound: str = "none",
 ) -> dict:
     """Compiles the named programs of `cfg` for `num_slices` slices; returns the JSON report.
 
@@ -401,6 +415,8 @@ def compile_report(
     host's rows (`rollout_rows`), with the parameters copied there (`distributed.to_local`)
     while the global train state (parameters and optimizer state over the slice) stays
     resident: its per-chip bytes (`resident_bytes`) count towards `fits`.
+
+    `prefill_bound`: the prefill's attention bound (`lower_sampler`).
     """
     if num_slices < 1:
         raise ValueError(f"num_slices must be >= 1, got {num_slices}.")
@@ -431,7 +447,7 @@ def compile_report(
             lowered["update"] = lower_update(cfg, mcfg, mesh)
         if "prefill" in programs_ or "decode" in programs_:
             with jax.set_mesh(sampler_mesh):
-                prefill, decode = lower_sampler(cfg, mcfg, sampler_mesh, rows)
+                prefill, decode = lower_sampler(cfg, mcfg, sampler_mesh, rows, prefill_bound)
             lowered.update({"prefill": prefill, "decode": decode})
         seconds["lower"] = time.perf_counter() - start
         _progress(f"lowered {', '.join(lowered)} in {seconds['lower']:.0f} s")
@@ -468,6 +484,8 @@ def compile_report(
         "programs": out,
         "wall_seconds": seconds,
     }
+    if prefill_bound != "none":
+        report["prefill_bound"] = prefill_bound
     if sampler == "host":
         report["sampler"] = {
             "mode": "host",
@@ -535,10 +553,23 @@ def main(argv: Sequence[str] | None = None) -> int:
         "host's chips at its share of the tasks, as a multi-host run samples.",
         flag_values=flags_,
     )
+    flags.DEFINE_enum(
+        "prefill_bound",
+        "none",
+        list(PREFILL_BOUNDS),
+        "The prefill's static attention bound: none (all queries over the whole cache in one "
+        "block) or capacity (the sampler's largest: each query block over the whole cache).",
+        flag_values=flags_,
+    )
     flags_(list(sys.argv if argv is None else argv))
     cfg = validate_for_compile(flags_.config)
     report = compile_report(
-        cfg, flags_.topology, flags_.programs, flags_.num_slices, sampler=flags_.sampler
+        cfg,
+        flags_.topology,
+        flags_.programs,
+        flags_.num_slices,
+        sampler=flags_.sampler,
+        prefill_bound=flags_.prefill_bound,
     )
     print(format_report(report))
     if flags_.json:

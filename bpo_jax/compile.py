@@ -20,9 +20,11 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import re
 import sys
+import time
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -185,24 +187,16 @@ def _replicated(x, mesh: Mesh):
 # ----------------------------------------------------------------------------- the programs
 
 
+PREFILL_BOUNDS = ("none", "capacity")
+
+
 def lower_update(cfg, mcfg, mesh: Mesh, length: int | None = None):
     """The RL update step at the config's minibatch, lowered (not compiled).
 
     `length` overrides the batch's sequence length (default: `update_length(cfg)`).
     """
     t = cfg.train
-    graphdef, params, specs = abstract_params(mcfg, mesh)
-    updater = learner.RLUpdater(graphdef, cfg, 0, lambda *_: None, params=params)
-    optimizer = updater.optimizer
-    state_sh = learner.state_shardings(optimizer, params, specs)
-    abstract_opt = jax.eval_shape(optimizer.init, params)
-    opt_state = jax.tree.map(
-        lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
-        abstract_opt,
-        state_sh.opt_state,
-    )
-    step = _replicated(jax.ShapeDtypeStruct((), jnp.int32), mesh)
-    state = learner.TrainState(params=params, opt_state=opt_state, step=step)
+    updater, state = abstract_train_state(cfg, mcfg, mesh)
     length = update_length(cfg) if length is None else length
     rows = t.minibatch_size
 
@@ -220,16 +214,61 @@ def lower_update(cfg, mcfg, mesh: Mesh, length: int | None = None):
     return updater.step_fn.lower(state, batch, *extra)
 
 
+def abstract_train_state(cfg, mcfg, mesh: Mesh):
+    """(the run's `learner.RLUpdater`, its `TrainState` as sharded `ShapeDtypeStruct`s)."""
+    graphdef, params, specs = abstract_params(mcfg, mesh)
+    updater = learner.RLUpdater(graphdef, cfg, 0, lambda *_: None, params=params)
+    optimizer = updater.optimizer
+    state_sh = learner.state_shardings(optimizer, params, specs)
+    abstract_opt = jax.eval_shape(optimizer.init, params)
+    opt_state = jax.tree.map(
+        lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+        abstract_opt,
+        state_sh.opt_state,
+    )
+    step = _replicated(jax.ShapeDtypeStruct((), jnp.int32), mesh)
+    return updater, learner.TrainState(params=params, opt_state=opt_state, step=step)
+
+
+def bytes_per_chip(tree) -> int:
+    """The largest per-device footprint of a pytree of sharded `ShapeDtypeStruct`s."""
+    total = 0
+    for x in jax.tree.leaves(tree):
+        shard = x.sharding.shard_shape(x.shape)
+        total += math.prod(shard) * jnp.dtype(x.dtype).itemsize
+    return total
+
+
 def update_length(cfg) -> int:
     """The longest update sequence: a full prompt and action, rounded up to the length bucket."""
     a = cfg.agent
     return learner.round_up(a.max_prompt_tokens + a.max_action_tokens, cfg.sampler.length_bucket)
 
 
-def lower_sampler(cfg, mcfg, mesh: Mesh):
-    """The sampler's (prefill, decode) at the rollout batch, lowered (not compiled)."""
+def rollout_rows(cfg, hosts: int | None = None) -> int:
+    """Rows of the sampler's calls: the rollout batch (`tasks_per_iter x group_size`), or with
+    `hosts`, the rows one host samples in a multi-host run: its largest share of the tasks
+    (`mesh.task_shards`, 0 = one share per host) times `group_size`."""
+    t = cfg.train
+    if hosts is None:
+        return t.tasks_per_iter * t.group_size
+    shares = cfg.mesh.task_shards or hosts
+    return -(-t.tasks_per_iter // shares) * t.group_size
+
+
+def lower_sampler(cfg, mcfg, mesh: Mesh, rows: int | None = None, prefill_bound: str = "none"):
+    """The sampler's (prefill, decode) at `rows` rows (default: the rollout batch), lowered.
+
+    `prefill_bound`: the prefill's static `offset_bound`. "none": every query attends to the
+    whole cache in one block (no bound); "capacity": the bound the sampler passes when some row
+    has a (nearly) full cache (`offset_bucket` never exceeds the capacity), the most the
+    sampler's own prefills attend to: each of the query blocks (`llama._causal_blocks`) over the
+    whole cache.
+    """
+    if prefill_bound not in PREFILL_BOUNDS:
+        raise ValueError(f"prefill_bound must be one of {PREFILL_BOUNDS}, got {prefill_bound!r}.")
     graphdef, params, _ = abstract_params(mcfg, mesh)
-    rows = cfg.train.tasks_per_iter * cfg.train.group_size
+    rows = rollout_rows(cfg) if rows is None else rows
     capacity = cfg.agent.max_prompt_tokens + cfg.agent.max_action_tokens
     cache = abstract_cache(mcfg, rows, capacity, mesh)
     row_mesh = mesh if rows % mesh.shape["data"] == 0 and mesh.shape["data"] > 1 else None
@@ -238,7 +277,8 @@ def lower_sampler(cfg, mcfg, mesh: Mesh):
     tokens = _abstract((rows, prompt), jnp.int32, mesh, ("batch", "length"))
     num_new = _abstract((rows,), jnp.int32, mesh, ("batch",))
     prefill = programs.prefill_program(graphdef, row_mesh, donate=True)
-    prefill_lowered = prefill.lower(params, cache, last, tokens, num_new)
+    bound = None if prefill_bound == "none" else capacity
+    prefill_lowered = prefill.lower(params, cache, last, tokens, num_new, offset_bound=bound)
     decode = programs.generate_program(graphdef, row_mesh, eos_ids=(0,), pad_id=0, donate=True)
     key = _replicated(jax.eval_shape(lambda: jax.random.key(0)), mesh)
     scalar = _replicated(jax.ShapeDtypeStruct((), jnp.float32), mesh)
@@ -256,7 +296,7 @@ def lower_sampler(cfg, mcfg, mesh: Mesh):
     return prefill_lowered, decode_lowered
 
 
-def model_flops(cfg, mcfg, program: str, chips: int) -> float:
+def model_flops(cfg, mcfg, program: str, chips: int, rows: int | None = None) -> float:
     """Per-chip FLOPs of a program from the architecture (matmuls and attention).
 
     XLA's cost analysis counts a loop's body once (the layer scan, the microbatch scan, the
@@ -264,12 +304,13 @@ def model_flops(cfg, mcfg, program: str, chips: int) -> float:
     the roofline takes the larger of the two. Update: forward, backward (twice the forward) and,
     with `remat="full"`, the layers' forward once more; attention is causal (half the [T, T]
     products). Prefill: T tokens per row attending over the cache. Decode: `max_action_tokens`
-    steps, each one token per row over the full cache.
+    steps, each one token per row over the full cache. `rows`: the sampler's rows (default: the
+    rollout batch).
     """
     d, e, v = mcfg.hidden_size, mcfg.resolved_head_dim, mcfg.vocab_size
     h, k, f, n = mcfg.num_heads, mcfg.num_kv_heads, mcfg.intermediate_size, mcfg.num_layers
     layer_params = n * (d * (h + 2 * k) * e + h * e * d + 3 * d * f)  # all layers
-    rows_rollout = cfg.train.tasks_per_iter * cfg.train.group_size
+    rows_rollout = rollout_rows(cfg) if rows is None else rows
     capacity = cfg.agent.max_prompt_tokens + cfg.agent.max_action_tokens
     if program == "update":
         rows, t = cfg.train.minibatch_size, update_length(cfg)
@@ -324,20 +365,63 @@ def analyse(compiled, s: Slice, analytic_flops: float, loop_trips: int = 1) -> d
     }
 
 
+_REQUIRED = re.compile(r"required for HLO temporaries \(([\d.]+)([KMGT])\)")
+
+
+def out_of_memory(error: Exception, analytic_flops: float) -> dict:
+    """The report of a program XLA refused to compile for lack of HBM (RESOURCE_EXHAUSTED).
+
+    XLA stops before it has a memory or cost analysis: the temporaries it says it needs (its
+    message rounds them to 0.01 of its unit) are all there is; the other sizes are unknown (None).
+    """
+    m = _REQUIRED.search(str(error))
+    temp = None
+    if m is not None:
+        temp = int(float(m.group(1)) * (1 << (10 * "KMGT".index(m.group(2)) + 10)))
+    return {
+        "argument_bytes": None,
+        "temp_bytes": temp,
+        "total_bytes": None,
+        "fits": False,
+        "flops": None,
+        "model_flops": analytic_flops,
+        "bytes_accessed": None,
+        "roofline_seconds": None,
+        "error": _first_line(error),
+    }
+
+
+def _first_line(error: Exception) -> str:
+    return str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+
+
 def compile_report(
     cfg,
     accelerator_type: str,
     programs_: Sequence[str] = ("update", "prefill", "decode"),
     num_slices: int = 1,
+    sampler: str = "slice",
+    prefill_bound: str = "none",
 ) -> dict:
     """Compiles the named programs of `cfg` for `num_slices` slices; returns the JSON report.
 
     With several slices (gcloud's multislice: `num_slices` slices of `accelerator_type`) the
     mesh's data axis spans them over DCN (`sharding.make_mesh`); the roofline does not model
     DCN bandwidth.
+
+    `sampler`: "slice" compiles prefill and decode over the whole mesh at the whole rollout
+    batch (a one-process run's layout); "host" as a multi-host run samples (`bpo_jax.shares`):
+    on one host's own chips (`distributed.process_mesh`, e.g. 4 of a v5litepod-64's 64) at that
+    host's rows (`rollout_rows`), with the parameters copied there (`distributed.to_local`)
+    while the global train state (parameters and optimizer state over the slice) stays
+    resident: its per-chip bytes (`resident_bytes`) count towards `fits`.
+
+    `prefill_bound`: the prefill's attention bound (`lower_sampler`).
     """
     if num_slices < 1:
         raise ValueError(f"num_slices must be >= 1, got {num_slices}.")
+    if sampler not in ("slice", "host"):
+        raise ValueError(f"sampler must be 'slice' or 'host', got {sampler!r}.")
     s = parse_topology(accelerator_type)
     devices = topology_devices(s, num_slices)
     chips = s.chips * num_slices
@@ -345,26 +429,75 @@ def compile_report(
     mcfg = model_config_of(cfg)
     # The start-up check a run makes: no large parameter left unsplit on this mesh.
     sharding.check_replication(abstract_params(mcfg, mesh)[1])
+    sampler_mesh, rows, resident = mesh, rollout_rows(cfg), 0
+    if sampler == "host":
+        from bpo_jax import distributed
+
+        hosts = len({d.process_index for d in devices})
+        sampler_mesh = distributed.process_mesh(mesh, 0)
+        rows = rollout_rows(cfg, hosts)
+        with jax.set_mesh(mesh), sharding.axis_rules(cfg.mesh.rules):
+            resident = bytes_per_chip(abstract_train_state(cfg, mcfg, mesh)[1])
     out = {}
+    seconds = {}  # Wall seconds on this machine: lowering (all programs), then each compile.
     with jax.set_mesh(mesh), sharding.axis_rules(cfg.mesh.rules):
         lowered = {}
+        start = time.perf_counter()
         if "update" in programs_:
             lowered["update"] = lower_update(cfg, mcfg, mesh)
         if "prefill" in programs_ or "decode" in programs_:
-            prefill, decode = lower_sampler(cfg, mcfg, mesh)
+            with jax.set_mesh(sampler_mesh):
+                prefill, decode = lower_sampler(cfg, mcfg, sampler_mesh, rows, prefill_bound)
             lowered.update({"prefill": prefill, "decode": decode})
+        seconds["lower"] = time.perf_counter() - start
+        _progress(f"lowered {', '.join(lowered)} in {seconds['lower']:.0f} s")
         for name in programs_:
             trips = cfg.agent.max_action_tokens if name == "decode" else 1
-            flops = model_flops(cfg, mcfg, name, chips)
-            out[name] = analyse(lowered[name].compile(), s, flops, trips)
-    return {
+            on_sampler = name != "update"
+            flops = model_flops(
+                cfg, mcfg, name, sampler_mesh.size if on_sampler else chips, rows=rows
+            )
+            start = time.perf_counter()
+            try:
+                compiled = lowered[name].compile()
+            except jax.errors.JaxRuntimeError as e:
+                if "RESOURCE_EXHAUSTED" not in str(e):
+                    raise
+                seconds[name] = time.perf_counter() - start
+                _progress(f"{name} does not fit ({seconds[name]:.0f} s): {_first_line(e)}")
+                out[name] = out_of_memory(e, flops)
+                continue
+            seconds[name] = time.perf_counter() - start
+            _progress(f"compiled {name} in {seconds[name]:.0f} s")
+            out[name] = analyse(compiled, s, flops, trips)
+            if sampler == "host" and on_sampler:
+                p = out[name]
+                p["resident_bytes"] = resident
+                p["total_bytes"] += resident
+                p["fits"] = p["total_bytes"] <= s.chip.hbm_bytes
+    report = {
         "topology": accelerator_type,
         "num_slices": num_slices,
         "chips": chips,
         "hbm_bytes_per_chip": s.chip.hbm_bytes,
         "mesh": dict(mesh.shape),
         "programs": out,
+        "wall_seconds": seconds,
     }
+    if prefill_bound != "none":
+        report["prefill_bound"] = prefill_bound
+    if sampler == "host":
+        report["sampler"] = {
+            "mode": "host",
+            "mesh": dict(sampler_mesh.shape),
+            "rows": rows,
+            "resident_bytes": resident,
+        }
+    return report
+
+
+def _progress(message: str) -> None:
+    print(f"[compile] {message}", file=sys.stderr, flush=True)
 
 
 def format_report(report: dict) -> str:
@@ -373,10 +506,21 @@ def format_report(report: dict) -> str:
         f"{report['num_slices']} x {report['topology']}: {report['chips']} chips, "
         f"{hbm / GiB:.1f} GiB HBM per chip, "
         f"mesh {report['mesh']}",
+    ]
+    if "sampler" in report:
+        r = report["sampler"]
+        lines.append(
+            f"sampler on one host: mesh {r['mesh']}, {r['rows']} rows, with the train state's "
+            f"{r['resident_bytes'] / GiB:.2f} GiB per chip resident (in its totals)"
+        )
+    lines += [
         f"{'program':<8} {'args GiB':>9} {'temp GiB':>9} {'total GiB':>10} {'fits':>5} "
         f"{'TFLOP':>9} {'model TFLOP':>12} {'GB accessed':>12} {'roofline s':>11}",
     ]
     for name, p in report["programs"].items():
+        if "error" in p:
+            lines.append(f"{name:<8} does NOT fit: {p['error']}")
+            continue
         lines.append(
             f"{name:<8} {p['argument_bytes'] / GiB:>9.2f} {p['temp_bytes'] / GiB:>9.2f} "
             f"{p['total_bytes'] / GiB:>10.2f} {'yes' if p['fits'] else 'NO':>5} "
@@ -401,9 +545,32 @@ def main(argv: Sequence[str] | None = None) -> int:
     flags.DEFINE_list(
         "programs", ["update", "prefill", "decode"], "Programs to compile.", flag_values=flags_
     )
+    flags.DEFINE_enum(
+        "sampler",
+        "slice",
+        ["slice", "host"],
+        "slice: prefill and decode over the whole slice at the whole rollout batch; host: on one "
+        "host's chips at its share of the tasks, as a multi-host run samples.",
+        flag_values=flags_,
+    )
+    flags.DEFINE_enum(
+        "prefill_bound",
+        "none",
+        list(PREFILL_BOUNDS),
+        "The prefill's static attention bound: none (all queries over the whole cache in one "
+        "block) or capacity (the sampler's largest: each query block over the whole cache).",
+        flag_values=flags_,
+    )
     flags_(list(sys.argv if argv is None else argv))
     cfg = validate_for_compile(flags_.config)
-    report = compile_report(cfg, flags_.topology, flags_.programs, flags_.num_slices)
+    report = compile_report(
+        cfg,
+        flags_.topology,
+        flags_.programs,
+        flags_.num_slices,
+        sampler=flags_.sampler,
+        prefill_bound=flags_.prefill_bound,
+    )
     print(format_report(report))
     if flags_.json:
         Path(flags_.json).write_text(json.dumps(report, indent=2))

@@ -16,6 +16,8 @@ import numpy as np
 import optax
 from flax import nnx
 
+from bpo_jax import distributed
+
 
 def init_value_head(key, dim: int, hidden: int = 256) -> dict:
     """Parameters of a one-hidden-layer MLP, D -> hidden -> 1."""
@@ -69,7 +71,15 @@ class Critic:
         return {"head": optax.apply_updates(state["head"], updates), "opt_state": opt_state}, value
 
     def features(self, params, prompts: list[list[int]], batch: int = 32, bucket: int = 64):
-        """[N, D] stop-gradient features of each prompt (its last token's final hidden state)."""
+        """[N, D] stop-gradient features of each prompt (its last token's final hidden state).
+
+        Every process passes the same prompts (the merged forest). With the parameters on a
+        mesh, each chunk is a global batch over it (`distributed.global_batch`: each process
+        contributes the rows its devices hold, as the policy's update does) and the features
+        come back whole on every process (`distributed.fetch`), also when the mesh spans
+        several hosts.
+        """
+        mesh = distributed.mesh_of(params)
         out = []
         for i in range(0, len(prompts), batch):
             chunk = prompts[i : i + batch]
@@ -79,8 +89,12 @@ class Critic:
             for b, p in enumerate(chunk):
                 tokens[b, : len(p)] = p
                 last[b] = len(p) - 1
-            feats = self._features(params, jnp.asarray(tokens), jnp.asarray(last))
-            out.append(np.asarray(feats)[: len(chunk)])
+            if mesh is None:
+                inputs = (jnp.asarray(tokens), jnp.asarray(last))
+            else:
+                inputs = distributed.global_batch((tokens, last), mesh)
+            feats = self._features(params, *inputs)
+            out.append(distributed.fetch(feats)[: len(chunk)])
         return np.concatenate(out) if out else np.zeros((0, 0), np.float32)
 
     def values(self, feats_nd: np.ndarray) -> np.ndarray:

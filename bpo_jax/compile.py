@@ -256,14 +256,16 @@ def rollout_rows(cfg, hosts: int | None = None) -> int:
     return -(-t.tasks_per_iter // shares) * t.group_size
 
 
-def lower_sampler(cfg, mcfg, mesh: Mesh, rows: int | None = None, prefill_bound: str = "none"):
+def lower_sampler(cfg, mcfg, mesh: Mesh, rows: int | None = None, prefill_bound: str = "capacity"):
     """The sampler's (prefill, decode) at `rows` rows (default: the rollout batch), lowered.
 
     `prefill_bound`: the prefill's static `offset_bound`. "none": every query attends to the
     whole cache in one block (no bound); "capacity": the bound the sampler passes when some row
     has a (nearly) full cache (`offset_bucket` never exceeds the capacity), the most the
     sampler's own prefills attend to: each of the query blocks (`llama._causal_blocks`) over the
-    whole cache.
+    whole cache. The sampler always passes a bound (`Sampler.prefill`: `offset_bucket`), so
+    "capacity" (the default) is the largest prefill a run executes; "none" is a program no run
+    executes, kept to compare with reports made before the default changed.
     """
     if prefill_bound not in PREFILL_BOUNDS:
         raise ValueError(f"prefill_bound must be one of {PREFILL_BOUNDS}, got {prefill_bound!r}.")
@@ -401,7 +403,7 @@ def compile_report(
     programs_: Sequence[str] = ("update", "prefill", "decode"),
     num_slices: int = 1,
     sampler: str = "slice",
-    prefill_bound: str = "none",
+    prefill_bound: str = "capacity",
 ) -> dict:
     """Compiles the named programs of `cfg` for `num_slices` slices; returns the JSON report.
 
@@ -484,8 +486,7 @@ def compile_report(
         "programs": out,
         "wall_seconds": seconds,
     }
-    if prefill_bound != "none":
-        report["prefill_bound"] = prefill_bound
+    report["prefill_bound"] = prefill_bound
     if sampler == "host":
         report["sampler"] = {
             "mode": "host",
@@ -555,10 +556,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     flags.DEFINE_enum(
         "prefill_bound",
-        "none",
+        "capacity",
         list(PREFILL_BOUNDS),
-        "The prefill's static attention bound: none (all queries over the whole cache in one "
-        "block) or capacity (the sampler's largest: each query block over the whole cache).",
+        "The prefill's static attention bound: capacity (the largest the sampler passes: each "
+        "query block over the whole cache) or none (all queries over the whole cache in one "
+        "block, a program no run executes; reports before 2026-12-02 used it).",
         flag_values=flags_,
     )
     flags_(list(sys.argv if argv is None else argv))

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Installs everything and runs the default test suite (every test not marked `slow` or
 # `full_compile`). Extra arguments go to pytest: a file, or `-m "slow and not full_compile"`
-# for the minutes-long tests (`full_compile`: the 7B/8B compile proofs, 20-35 min each).
+# for the minutes-long tests (`full_compile`: the 7B/8B compile proofs, 3-5 min each).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh

@@ -20,7 +20,10 @@ CFG = config.tiny(max_seq_len=256)
 CAPACITY = 160
 HEAD = 40  # tokens shared by a group
 GROUP = 4
-ATOL = 1e-5
+# Logits of magnitude up to ~5 from differently shaped float32 products (a suffix prefilled at
+# an offset against a whole prompt): on an AVX-512 Xeon they differed by up to 1.8e-5, past the
+# 1e-5 used before. The generated tokens must still be identical.
+ATOL = 1e-4
 
 
 @pytest.fixture(scope="module")

@@ -26,19 +26,22 @@ results or on the held-out games):
     makes RLOO and the tree estimate different length-normalised objectives (see
     `bpo_jax/estimators/kernels.py`); `path_mass` (the `pathmass` ablation) estimates grad J.
 
-STATUS (2026-12-01, evening): NOT READY TO RUN: no start policy is chosen yet.
-  - The first attempt's BC start (150 steps on 24 training games) won 0 of 48 valid_seen games:
-    every algorithm would have started the held-out tables at zero.
-  - Probe economics at K0 = 3: addressed (`rollout.probe_share=0.5`; docs/results.md).
-  - The start policy is being chosen on 55 development games held out of the training games
-    (`env.dev_fraction=0.3`), never on the tables' games (`docs/start_policy.md`). Measured so far:
-    search demos, 1,200 BC steps, 0/55; with recovery examples (`bc.recovery=0.5`) 1/55; with
-    them and 6 turns of history 0/55 (greedy and sampled alike).
-  When one is chosen, its BC fields go into OVERRIDES below (with `env.max_steps=32`, the limit
-  it was chosen at, and `env.dev_fraction=0.3`, so RL trains on the 107 games BC cloned), and
+STATUS (2026-12-02): READY TO RUN; not started. The start policy is chosen (below), on the 55
+development games held out of the training games (`env.dev_fraction=0.3`), never on the tables'
+games (docs/start_policy.md):
+  - search demos (the demonstrator that reads only the text), recovery examples 0.5, 2 turns of
+    history, the agent's notes (`agent.notes`), numbers as one token
+    (`model.tokenizer_split_digits=False`), 32 steps, 1,200 BC steps: 6 of 55 dev games greedy
+    (95% CI 0.05-0.22), 5 sampled. 2,400 steps fitted the demos better (loss 0.15 against
+    0.27 over the last 100 steps) but won 4 of 55 greedy: not chosen (one seed each; the two
+    are within noise).
+  - what was measured before it, on dev: 0-1 of 55 for every earlier row (split digits, with or
+    without notes, 6 turns of history); the policy matched the demonstrator's action at 0.57 of
+    the states of its own games with split digits and 0.73 with joined ones.
   `bc/shared` runs it once for every seed (`bc_once`): seeds vary RL, from one start, as one
   pretrained checkpoint starts every seed in the paper's setting. The algorithms of a seed share
-  their before-RL evaluation, and the greedy one is shared by every seed (`share_evals`).
+  their before-RL evaluation, and the greedy one is shared by every seed (`share_evals`). RL
+  trains on the 107 games BC cloned.
 
 The fields a reader changes:
   - `OVERRIDES["rollout.root_group"]` (K0), `["rollout.num_branches"]` (K),
@@ -74,6 +77,16 @@ OVERRIDES = {
     "rollout.branch_budget": 2,  # Branch points per backbone.
     "rollout.max_depth": 2,
     "rollout.selector": "action_samples",  # Branch where sampled actions disagree.
+    # The start policy, chosen on the dev games (docs/start_policy.md; see STATUS above).
+    "env.dev_fraction": 0.3,  # 55 training games held out for choosing it; never cloned.
+    "env.num_train_tasks": 0,  # BC and RL on the other 107.
+    "env.max_steps": 32,  # The limit it was chosen at (the demonstrator's 95th percentile).
+    "bc.demos": "search",
+    "bc.steps": 1200,
+    "bc.recovery": 0.5,
+    "agent.notes": True,
+    "agent.max_prompt_tokens": 448,
+    "model.tokenizer_split_digits": False,
 }
 
 # Ablations of BPO (run names `bpo_<name>/seed_<n>`); empty until the main table is chosen, to

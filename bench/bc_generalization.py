@@ -21,7 +21,6 @@ The held-out demos are cached in `--demo_cache` (default: the source's
 
 from __future__ import annotations
 
-import argparse
 import json
 import tempfile
 from collections import defaultdict
@@ -30,7 +29,7 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
-from play_transcripts import saved_run_config
+from play_transcripts import parse_source, source_parser
 
 from bpo_jax import learner
 from bpo_jax.builders import agent_notes
@@ -87,18 +86,9 @@ def summarise(demos, matched, nlls) -> dict:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--source", required=True, help="run directory whose policy is scored")
-    ap.add_argument("--config", default="experiments/alfworld.py:cpu")
+    ap = source_parser(__doc__.split("\n")[0])
     ap.add_argument("--demo_cache", default="", help="held-out demos (default: in --source)")
-    ap.add_argument("--json", default="")
-    ap.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE")
-    args = ap.parse_args(argv)
-    source = Path(args.source).absolute()
-    try:
-        cfg = saved_run_config(source, args.config, args.set)
-    except ValueError as e:
-        ap.error(str(e))
+    args, source, cfg = parse_source(ap, argv)
     train_demos = json.loads((source / "search_demos.json").read_text())
     report = {"source": str(source)}
     with tempfile.TemporaryDirectory() as tmp, open_run(cfg, Path(tmp)) as (run, mcfg, params):

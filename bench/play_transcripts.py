@@ -104,20 +104,31 @@ def saved_run_config(source: Path, config: str, sets=()):
     return validate(raw)
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--source", required=True, help="run directory whose policy is played")
+def source_parser(description: str) -> argparse.ArgumentParser:
+    """The flags of a script that replays a saved run's policy (`saved_run_config`)."""
+    ap = argparse.ArgumentParser(description=description)
+    ap.add_argument("--source", required=True, help="run directory whose policy is replayed")
     ap.add_argument("--config", default="experiments/alfworld.py:cpu")
-    ap.add_argument("--tasks", type=int, default=4, help="first N games of the first split")
-    ap.add_argument("--quiet", action="store_true", help="print the summary only")
     ap.add_argument("--json", default="")
     ap.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE")
+    return ap
+
+
+def parse_source(ap: argparse.ArgumentParser, argv=None):
+    """(args, the source run's directory, its replay config); a bad flag exits with usage."""
     args = ap.parse_args(argv)
     source = Path(args.source).absolute()
     try:
-        cfg = saved_run_config(source, args.config, args.set)
+        return args, source, saved_run_config(source, args.config, args.set)
     except ValueError as e:
         ap.error(str(e))
+
+
+def main(argv=None) -> int:
+    ap = source_parser(__doc__.split("\n")[0])
+    ap.add_argument("--tasks", type=int, default=4, help="first N games of the first split")
+    ap.add_argument("--quiet", action="store_true", help="print the summary only")
+    args, source, cfg = parse_source(ap, argv)
     with tempfile.TemporaryDirectory() as tmp, open_run(cfg, Path(tmp)) as (run, mcfg, params):
         state = setup(run, mcfg, params)
         run.policy.params = state.train.params

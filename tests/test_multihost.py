@@ -100,8 +100,9 @@ def _run_one(workdir: Path, extra=()) -> str:
     return proc.stdout + proc.stderr
 
 
-def _final_params(workdir: Path) -> dict[str, np.ndarray]:
-    """The policy parameters of the run's latest checkpoint, restored onto this process."""
+def _final_state(workdir: Path, part=lambda state: state) -> dict[str, np.ndarray]:
+    """The arrays of `part` of the run's latest checkpoint (default: all of it: policy,
+    optimizer, critic), restored onto this process."""
     import jax
     import orbax.checkpoint as ocp
 
@@ -116,8 +117,13 @@ def _final_params(workdir: Path) -> dict[str, np.ndarray]:
     state = ckptr.restore(path, abstract)
     return {
         jax.tree_util.keystr(k): np.asarray(v)
-        for k, v in jax.tree_util.tree_leaves_with_path(state["train_state"]["params"])
+        for k, v in jax.tree_util.tree_leaves_with_path(part(state))
     }
+
+
+def _final_params(workdir: Path) -> dict[str, np.ndarray]:
+    """The policy parameters of the run's latest checkpoint, restored onto this process."""
+    return _final_state(workdir, lambda state: state["train_state"]["params"])
 
 
 def _iterations(workdir: Path) -> list[int]:

@@ -10,36 +10,15 @@ the policy's and the critic's parameters, must agree.
 
 import json
 import time
-from pathlib import Path
 
 import numpy as np
 import pytest
-from test_multihost import _run_one, _run_two
+from test_multihost import _final_state, _run_one, _run_two
 
 PPO = [
     "--config.train.algo=ppo",
     "--config.eval.initial=False",  # The BPO test covers evaluations: only the final one here.
 ]
-
-
-def _final_state(workdir: Path) -> dict[str, np.ndarray]:
-    """Every array of the run's latest checkpoint (policy, optimizer, critic), on this process."""
-    import jax
-    import orbax.checkpoint as ocp
-
-    steps = sorted(int(p.name) for p in (workdir / "checkpoints").iterdir() if p.name.isdigit())
-    path = workdir / "checkpoints" / str(steps[-1]) / "state"
-    ckptr = ocp.StandardCheckpointer()
-    meta = ckptr.metadata(path)
-    tree = getattr(meta, "item_metadata", meta)
-    tree = getattr(tree, "tree", tree)
-    device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=device), tree)
-    state = ckptr.restore(path, abstract)
-    return {
-        jax.tree_util.keystr(k): np.asarray(v)
-        for k, v in jax.tree_util.tree_leaves_with_path(state)
-    }
 
 
 def _max_diff(a: dict, b: dict, part: str) -> float:

@@ -166,6 +166,10 @@ def test_multi_turn_append_matches_prefill_from_scratch(setup):
     np.testing.assert_array_equal(
         np.asarray(out2.state.cache.lengths), np.asarray(out_scratch.state.cache.lengths)
     )
+    # The states know their rows' lengths on the host too (the next prefill reads them there),
+    # through prefill, generate, append and generate again.
+    for st in (out2.state, out_scratch.state):
+        np.testing.assert_array_equal(st.host_lengths, np.asarray(st.cache.lengths))
 
 
 def test_forked_row_continues_like_original_with_same_key(setup):
@@ -197,6 +201,7 @@ def test_concat_states_regroups_contexts(setup):
     mixed = sampler.fork(both, [1, 2, 4, 7])
     expected = sampler.fork(a, [1, 2, 0, 0])  # compare against each source row alone
     np.testing.assert_array_equal(np.asarray(mixed.cache.lengths), [14, 25, 9, 30])
+    np.testing.assert_array_equal(mixed.host_lengths, [14, 25, 9, 30])
     for got, want in zip(mixed.cache.k + mixed.cache.v, expected.cache.k + expected.cache.v):
         np.testing.assert_array_equal(np.asarray(got[:2]), np.asarray(want[:2]))
     np.testing.assert_array_equal(np.asarray(mixed.last_logits[3]), np.asarray(b.last_logits[3]))

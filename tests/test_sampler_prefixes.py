@@ -66,9 +66,12 @@ def assert_same_contexts(params, sampler, state, prompts, seed):
     ref = fresh(params, sampler, prompts)
     np.testing.assert_allclose(state.last_logits, ref.last_logits, atol=ATOL, rtol=0)
     np.testing.assert_array_equal(state.cache.lengths, [len(p) for p in prompts])
+    # The lengths the next prefill reads on the host, without waiting for the device.
+    np.testing.assert_array_equal(state.host_lengths, [len(p) for p in prompts])
     a = sampler.generate(params, state, jax.random.key(seed))
     b = sampler.generate(params, ref, jax.random.key(seed))
     np.testing.assert_array_equal(a.tokens, b.tokens)
+    np.testing.assert_array_equal(a.state.host_lengths, np.asarray(a.state.cache.lengths))
     np.testing.assert_allclose(a.logprobs, b.logprobs, atol=ATOL, rtol=0)
 
 
@@ -120,6 +123,29 @@ def test_heads_then_suffixes_then_growing_history(setup):
     state = prefixes.prefill(params, cut)
     assert state.prefilled_b.tolist() == [1] * 8
     assert_same_contexts(params, sampler, state, cut, seed=4)
+
+
+def test_group_members_continue_their_own_rows_in_place(setup, monkeypatch):
+    """A row matching several kept rows equally far (its group's head) continues its own.
+
+    Every row then continues itself, in order, so the kept batch is prefilled into in place:
+    no program gathers rows (`regroup`), the copy of a batch's cache a turn would otherwise make.
+    """
+    from bpo_jax.sampler import prefixes as prefixes_lib
+
+    params, sampler = setup
+    prefixes = PrefixCache(sampler, new_cache)
+    h = heads(seed=21)
+    lens = [4, 6, 3, 5, 7, 2, 8, 5]
+    turn1 = [h[b // GROUP] + s for b, s in enumerate(suffixes(lens, range(1, 9), seed=22))]
+    prefixes.prefill(params, turn1)
+    calls = []
+    monkeypatch.setattr(prefixes_lib, "regroup", lambda *a: calls.append(a) or None)
+    turn2 = [h[b // GROUP] + s for b, s in enumerate(suffixes(lens, range(11, 19), seed=23))]
+    state = prefixes.prefill(params, turn2)
+    assert calls == []
+    assert state.prefilled_b.tolist() == lens
+    assert_same_contexts(params, sampler, state, turn2, seed=9)
 
 
 def test_rows_continue_other_rows_reordered_and_repeated(setup):

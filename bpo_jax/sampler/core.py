@@ -161,9 +161,9 @@ class Sampler:
 
     def _prefill(self, params, state, tokens, lengths, *, keep: bool):
         if isinstance(state, KVCache):
-            cache, last_logits = state, None
+            cache, last_logits, known_lengths = state, None, None
         else:
-            cache, last_logits = state.cache, state.last_logits
+            cache, last_logits, known_lengths = state.cache, state.last_logits, state.host_lengths
         batch = cache.batch_size
         tokens_bt, num_new_b = self._pad_tokens(tokens, lengths, batch)
         if last_logits is None:
@@ -175,7 +175,7 @@ class Sampler:
                 f"Token ids must lie in [0, {vocab}); got min {tokens_bt.min()}, "
                 f"max {tokens_bt.max()}."
             )
-        cache_len_b = np.asarray(cache.lengths)
+        cache_len_b = np.asarray(cache.lengths if known_lengths is None else known_lengths)
         over = np.nonzero(cache_len_b + num_new_b > cache.capacity)[0]
         if over.size:
             b = int(over[0])
@@ -184,8 +184,9 @@ class Sampler:
                 f"({cache_len_b[b]} cached + {num_new_b[b]} new), more than the cache capacity "
                 f"{cache.capacity}; allocate a larger cache (init_cache(..., capacity=...))."
             )
+        new_len_b = (cache_len_b + num_new_b).astype(np.int32)
         if tokens_bt.shape[1] == 0:  # nothing to run
-            out = PrefillState(cache, last_logits, num_new_b, 0)
+            out = PrefillState(cache, last_logits, num_new_b, 0, new_len_b)
             return (out, fork_rows(out, np.arange(batch))) if keep else out
         result = self._prefill_fn(row_mesh(cache))(
             params,
@@ -197,10 +198,10 @@ class Sampler:
             keep=keep,
         )
         (cache, last_logits), copy = result if keep else (result, None)
-        out = PrefillState(cache, last_logits, num_new_b, tokens_bt.shape[1])
+        out = PrefillState(cache, last_logits, num_new_b, tokens_bt.shape[1], new_len_b)
         if not keep:
             return out
-        return out, PrefillState(*copy, np.zeros((batch,), np.int32), 0)
+        return out, PrefillState(*copy, np.zeros((batch,), np.int32), 0, new_len_b)
 
     def generate(
         self,
@@ -254,7 +255,13 @@ class Sampler:
             lengths=host["lengths"],
             stopped=host["stopped"],
             num_steps=int(host["num_steps"]),
-            state=PrefillState(cache, last_logits, np.zeros((batch,), np.int32), 0),
+            state=PrefillState(
+                cache,
+                last_logits,
+                np.zeros((batch,), np.int32),
+                0,
+                None if state.host_lengths is None else state.host_lengths + host["lengths"],
+            ),
         )
 
     def fork(self, state: PrefillState, rows: Sequence[int] | np.ndarray) -> PrefillState:

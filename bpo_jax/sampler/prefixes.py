@@ -35,6 +35,7 @@ Trade-offs:
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Sequence
 
 import jax
@@ -157,7 +158,7 @@ class PrefixCache:
             # Charge the shared prefixes' work to the batch (on its first row).
             prefilled = state.prefilled_b.copy()
             prefilled[0] += self.last_shared_tokens
-            state = PrefillState(state.cache, state.last_logits, prefilled, state.prefill_len)
+            state = dataclasses.replace(state, prefilled_b=prefilled)
         self._kept = kept
         self._kept_tokens = _as_matrix(rows)
         self._params_leaves = leaves
@@ -184,12 +185,19 @@ class PrefixCache:
 
     @staticmethod
     def _best_matches(tokens_rl: np.ndarray, prompts: Sequence[np.ndarray]):
-        """(best row [B], its common prefix length [B]) of each prompt among `tokens_rl`."""
+        """(best row [B], its common prefix length [B]) of each prompt among `tokens_rl`.
+
+        Of several rows that match equally far, prompt i takes row i where it is one of them
+        (a group member continuing its own context after the group's shared head): when every
+        prompt does, the kept batch is prefilled into in place rather than gathered.
+        """
         best, length = np.zeros((len(prompts),), np.int64), np.zeros((len(prompts),), np.int64)
         for i, p in enumerate(prompts):
             lcp_r = longest_common_prefix(tokens_rl, p)
             if lcp_r.size:
                 best[i] = int(np.argmax(lcp_r))
+                if i < lcp_r.size and lcp_r[i] == lcp_r[best[i]]:
+                    best[i] = i
                 length[i] = lcp_r[best[i]]
         return best, length
 
@@ -261,7 +269,10 @@ class PrefixCache:
             src = sources[0]
             lengths_b = jax.device_put(match.astype(np.int32), layout.lengths.sharding)
             start = PrefillState(
-                src.cache.replace(lengths=lengths_b), src.last_logits, src.prefilled_b
+                src.cache.replace(lengths=lengths_b),
+                src.last_logits,
+                src.prefilled_b,
+                host_lengths=match.astype(np.int32),
             )
             return start, match
         return regroup(sources, best, match, layout), match
@@ -271,7 +282,7 @@ def _count_rows(state: PrefillState, n: int) -> PrefillState:
     """The state with the tokens of its filler rows (past the first n) not counted."""
     prefilled = state.prefilled_b.copy()
     prefilled[n:] = 0
-    return PrefillState(state.cache, state.last_logits, prefilled, state.prefill_len)
+    return dataclasses.replace(state, prefilled_b=prefilled)
 
 
 def _pad_rows(tokens_rl: np.ndarray, rows: int) -> np.ndarray:

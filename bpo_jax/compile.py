@@ -38,6 +38,7 @@ from bpo_jax.models import config as model_config
 from bpo_jax.models import factory, sharding
 from bpo_jax.models.llama import KVCache, cache_axes
 from bpo_jax.sampler import programs
+from bpo_jax.sampler.core import offset_bucket
 
 GiB = 1 << 30
 
@@ -188,6 +189,9 @@ def _replicated(x, mesh: Mesh):
 
 
 PREFILL_BOUNDS = ("none", "capacity")
+# The programs the tool compiles: the update step, and the sampler's (`lower_sampler`).
+SAMPLER_PROGRAMS = ("prefill", "suffix", "decode")
+PROGRAMS = ("update", *SAMPLER_PROGRAMS)
 
 
 def lower_update(cfg, mcfg, mesh: Mesh, length: int | None = None):
@@ -256,8 +260,37 @@ def rollout_rows(cfg, hosts: int | None = None) -> int:
     return -(-t.tasks_per_iter // shares) * t.group_size
 
 
-def lower_sampler(cfg, mcfg, mesh: Mesh, rows: int | None = None, prefill_bound: str = "capacity"):
-    """The sampler's (prefill, decode) at `rows` rows (default: the rollout batch), lowered.
+def turn_shape(cfg, prefix: int | None = None) -> tuple[int, int]:
+    """(cached prefix, new tokens) of a later turn's prefill with prefix reuse (`suffix`).
+
+    With prefix reuse (`sampler.PrefixCache`, the policy's default) a turn prefills only what
+    follows the context it continues: the task's head, and the history still in place. How long
+    that is depends on the prompts; `prefix` (default: three quarters of the longest prompt,
+    the proportions of `bench_sampler.py --shape=paper_turn`) stands for it. The new tokens are
+    the rest of the longest prompt, rounded up to the sampler's length bucket.
+    """
+    longest = cfg.agent.max_prompt_tokens
+    prefix = 3 * longest // 4 if prefix is None else int(prefix)
+    if not 0 < prefix < longest:
+        raise ValueError(f"The turn's prefix must lie in (0, {longest}) tokens, got {prefix}.")
+    return prefix, learner.round_up(longest - prefix, cfg.sampler.length_bucket)
+
+
+def lower_sampler(
+    cfg,
+    mcfg,
+    mesh: Mesh,
+    rows: int | None = None,
+    prefill_bound: str = "capacity",
+    turn_prefix: int | None = None,
+    programs_: Sequence[str] = ("prefill", "decode"),
+) -> dict:
+    """The sampler's programs at `rows` rows (default: the rollout batch), lowered, by name.
+
+    "prefill": a whole prompt from an empty cache; "suffix": a later turn's prefill with prefix
+    reuse, `turn_shape(cfg, turn_prefix)`: each row's new tokens after its cached prefix, under
+    the attention bound the sampler passes for that context (`sampler.offset_bucket`);
+    "decode": `max_action_tokens` sampled tokens.
 
     `prefill_bound`: the prefill's static `offset_bound`. "none": every query attends to the
     whole cache in one block (no bound); "capacity": the bound the sampler passes when some row
@@ -279,12 +312,21 @@ def lower_sampler(cfg, mcfg, mesh: Mesh, rows: int | None = None, prefill_bound:
     tokens = _abstract((rows, prompt), jnp.int32, mesh, ("batch", "length"))
     num_new = _abstract((rows,), jnp.int32, mesh, ("batch",))
     prefill = programs.prefill_program(graphdef, row_mesh, donate=True)
-    bound = None if prefill_bound == "none" else capacity
-    prefill_lowered = prefill.lower(params, cache, last, tokens, num_new, offset_bound=bound)
+    out = {}
+    if "prefill" in programs_:
+        bound = None if prefill_bound == "none" else capacity
+        out["prefill"] = prefill.lower(params, cache, last, tokens, num_new, offset_bound=bound)
+    if "suffix" in programs_:
+        prefix, new = turn_shape(cfg, turn_prefix)
+        suffix = _abstract((rows, new), jnp.int32, mesh, ("batch", "length"))
+        bound = offset_bucket(prefix, capacity)
+        out["suffix"] = prefill.lower(params, cache, last, suffix, num_new, offset_bound=bound)
+    if "decode" not in programs_:
+        return out
     decode = programs.generate_program(graphdef, row_mesh, eos_ids=(0,), pad_id=0, donate=True)
     key = _replicated(jax.eval_shape(lambda: jax.random.key(0)), mesh)
     scalar = _replicated(jax.ShapeDtypeStruct((), jnp.float32), mesh)
-    decode_lowered = decode.lower(
+    out["decode"] = decode.lower(
         params,
         cache,
         last,
@@ -295,19 +337,22 @@ def lower_sampler(cfg, mcfg, mesh: Mesh, rows: int | None = None, prefill_bound:
         greedy=False,
         nucleus=cfg.sampler.top_p < 1.0,
     )
-    return prefill_lowered, decode_lowered
+    return out
 
 
-def model_flops(cfg, mcfg, program: str, chips: int, rows: int | None = None) -> float:
+def model_flops(
+    cfg, mcfg, program: str, chips: int, rows: int | None = None, turn_prefix: int | None = None
+) -> float:
     """Per-chip FLOPs of a program from the architecture (matmuls and attention).
 
     XLA's cost analysis counts a loop's body once (the layer scan, the microbatch scan, the
     LM-head chunks, the decode loop), so for programs with loops its FLOPs are a lower bound;
     the roofline takes the larger of the two. Update: forward, backward (twice the forward) and,
     with `remat="full"`, the layers' forward once more; attention is causal (half the [T, T]
-    products). Prefill: T tokens per row attending over the cache. Decode: `max_action_tokens`
-    steps, each one token per row over the full cache. `rows`: the sampler's rows (default: the
-    rollout batch).
+    products). Prefill: T tokens per row attending over the cache. Suffix: the new tokens of
+    `turn_shape` per row, each attending over the prefix and the new tokens. Decode:
+    `max_action_tokens` steps, each one token per row over the full cache. `rows`: the sampler's
+    rows (default: the rollout batch).
     """
     d, e, v = mcfg.hidden_size, mcfg.resolved_head_dim, mcfg.vocab_size
     h, k, f, n = mcfg.num_heads, mcfg.num_kv_heads, mcfg.intermediate_size, mcfg.num_layers
@@ -324,6 +369,11 @@ def model_flops(cfg, mcfg, program: str, chips: int, rows: int | None = None) ->
         t = learner.round_up(cfg.agent.max_prompt_tokens, cfg.sampler.length_bucket)
         rows = rows_rollout
         total = 2 * layer_params * rows * t + n * 4 * h * e * rows * t * capacity + 2 * d * v * rows
+    elif program == "suffix":
+        prefix, t = turn_shape(cfg, turn_prefix)
+        rows = rows_rollout
+        attend = n * 4 * h * e * rows * t * (prefix + t)
+        total = 2 * layer_params * rows * t + attend + 2 * d * v * rows
     elif program == "decode":
         rows = rows_rollout
         step = 2 * layer_params * rows + n * 4 * h * e * rows * capacity + 2 * d * v * rows
@@ -404,6 +454,7 @@ def compile_report(
     num_slices: int = 1,
     sampler: str = "slice",
     prefill_bound: str = "capacity",
+    turn_prefix: int | None = None,
 ) -> dict:
     """Compiles the named programs of `cfg` for `num_slices` slices; returns the JSON report.
 
@@ -419,6 +470,11 @@ def compile_report(
     resident: its per-chip bytes (`resident_bytes`) count towards `fits`.
 
     `prefill_bound`: the prefill's attention bound (`lower_sampler`).
+
+    With "suffix" and "decode" among the programs, `report["turn"]` estimates one agent turn
+    with prefix reuse (`turn_shape(cfg, turn_prefix)`): the suffix's roofline plus the decode's,
+    beside the same without reuse (the whole prompt's prefill plus the decode) when "prefill"
+    was compiled too.
     """
     if num_slices < 1:
         raise ValueError(f"num_slices must be >= 1, got {num_slices}.")
@@ -447,17 +503,24 @@ def compile_report(
         start = time.perf_counter()
         if "update" in programs_:
             lowered["update"] = lower_update(cfg, mcfg, mesh)
-        if "prefill" in programs_ or "decode" in programs_:
+        wanted = [p for p in programs_ if p in SAMPLER_PROGRAMS]
+        if wanted:
             with jax.set_mesh(sampler_mesh):
-                prefill, decode = lower_sampler(cfg, mcfg, sampler_mesh, rows, prefill_bound)
-            lowered.update({"prefill": prefill, "decode": decode})
+                lowered |= lower_sampler(
+                    cfg, mcfg, sampler_mesh, rows, prefill_bound, turn_prefix, wanted
+                )
         seconds["lower"] = time.perf_counter() - start
         _progress(f"lowered {', '.join(lowered)} in {seconds['lower']:.0f} s")
         for name in programs_:
             trips = cfg.agent.max_action_tokens if name == "decode" else 1
             on_sampler = name != "update"
             flops = model_flops(
-                cfg, mcfg, name, sampler_mesh.size if on_sampler else chips, rows=rows
+                cfg,
+                mcfg,
+                name,
+                sampler_mesh.size if on_sampler else chips,
+                rows=rows,
+                turn_prefix=turn_prefix,
             )
             start = time.perf_counter()
             try:
@@ -487,6 +550,17 @@ def compile_report(
         "wall_seconds": seconds,
     }
     report["prefill_bound"] = prefill_bound
+    roofline = {k: p.get("roofline_seconds") for k, p in out.items()}
+    if roofline.get("suffix") is not None and roofline.get("decode") is not None:
+        prefix, new = turn_shape(cfg, turn_prefix)
+        report["turn"] = {
+            "prefix_tokens": prefix,
+            "new_tokens": new,
+            "roofline_seconds": roofline["suffix"] + roofline["decode"],
+        }
+        if roofline.get("prefill") is not None:
+            whole = roofline["prefill"] + roofline["decode"]
+            report["turn"]["roofline_seconds_no_reuse"] = whole
     if sampler == "host":
         report["sampler"] = {
             "mode": "host",
@@ -529,6 +603,15 @@ def format_report(report: dict) -> str:
             f"{p['bytes_accessed'] / 1e9:>12.2f} "
             f"{p['roofline_seconds']:>11.4f}"
         )
+    if "turn" in report:
+        t = report["turn"]
+        line = (
+            f"one turn with prefix reuse ({t['prefix_tokens']} tokens cached, {t['new_tokens']} "
+            f"new, then the action): roofline {t['roofline_seconds']:.4f} s"
+        )
+        if "roofline_seconds_no_reuse" in t:
+            line += f" ({t['roofline_seconds_no_reuse']:.4f} s prefilling the whole prompt)"
+        lines.append(line)
     return "\n".join(lines)
 
 
@@ -544,7 +627,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     flags.DEFINE_string("json", None, "Write the report as JSON here.", flag_values=flags_)
     flags.DEFINE_list(
-        "programs", ["update", "prefill", "decode"], "Programs to compile.", flag_values=flags_
+        "programs",
+        ["update", "prefill", "decode"],
+        f"Programs to compile, of {', '.join(PROGRAMS)} (suffix: a later turn's prefill with "
+        "prefix reuse; with decode, the report estimates a turn).",
+        flag_values=flags_,
+    )
+    flags.DEFINE_integer(
+        "turn_prefix",
+        None,
+        "suffix: tokens of the prompt a turn continues from cache (default 3/4 of "
+        "agent.max_prompt_tokens).",
+        flag_values=flags_,
     )
     flags.DEFINE_enum(
         "sampler",
@@ -565,6 +659,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     flags_(list(sys.argv if argv is None else argv))
     cfg = validate_for_compile(flags_.config)
+    unknown = sorted(set(flags_.programs) - set(PROGRAMS))
+    if unknown:
+        raise ValueError(f"--programs: unknown {unknown}; choose from {list(PROGRAMS)}.")
     report = compile_report(
         cfg,
         flags_.topology,
@@ -572,6 +669,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         flags_.num_slices,
         sampler=flags_.sampler,
         prefill_bound=flags_.prefill_bound,
+        turn_prefix=flags_.turn_prefix,
     )
     print(format_report(report))
     if flags_.json:

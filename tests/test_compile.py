@@ -7,7 +7,7 @@ import pytest
 from bpo_jax import compile as compile_tool
 from bpo_jax.experiment import load_experiment
 
-PROGRAMS = ("update", "prefill", "decode")
+PROGRAMS = ("update", "prefill", "suffix", "decode")
 FIELDS = (
     "argument_bytes",
     "temp_bytes",
@@ -51,6 +51,7 @@ def test_compile_tool_on_a_small_topology_writes_the_report(tmp_path):
             "compile",
             "--config=experiments/alfworld.py:cpu",
             "--topology=v5litepod-16",
+            f"--programs={','.join(PROGRAMS)}",
             f"--json={out}",
         ]
     )
@@ -72,6 +73,20 @@ def test_compile_tool_on_a_small_topology_writes_the_report(tmp_path):
     progs = report["programs"]
     assert progs["update"]["model_flops"] > progs["prefill"]["model_flops"]
     assert progs["update"]["flops"] > progs["prefill"]["flops"] > progs["decode"]["flops"]
+    # A later turn with prefix reuse prefills a quarter of the longest prompt after the rest.
+    prefix, new = compile_tool.turn_shape(compile_tool.validate_for_compile(load_cpu()))
+    assert report["turn"]["prefix_tokens"] == prefix and report["turn"]["new_tokens"] == new
+    assert progs["suffix"]["model_flops"] < progs["prefill"]["model_flops"] / 2
+    assert progs["suffix"]["flops"] < progs["prefill"]["flops"]
+    turn = report["turn"]
+    assert turn["roofline_seconds"] == pytest.approx(
+        progs["suffix"]["roofline_seconds"] + progs["decode"]["roofline_seconds"]
+    )
+    assert turn["roofline_seconds"] < turn["roofline_seconds_no_reuse"]
+
+
+def load_cpu():
+    return load_experiment("experiments/alfworld.py").get_config("cpu")
 
 
 @pytest.mark.slow

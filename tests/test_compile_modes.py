@@ -50,6 +50,12 @@ def test_unknown_modes_are_refused():
         compile_tool.compile_report(cfg, "v5litepod-16", ("decode",), sampler="pod")
     with pytest.raises(ValueError, match="prefill_bound must be"):
         compile_tool.lower_sampler(cfg, None, None, prefill_bound="half")
+    longest = cfg.agent.max_prompt_tokens
+    with pytest.raises(ValueError, match="prefix must lie in"):
+        compile_tool.turn_shape(cfg, longest)
+    assert compile_tool.turn_shape(cfg, longest - 1)[1] == cfg.sampler.length_bucket
+    with pytest.raises(ValueError, match=r"--programs: unknown \['turn'\]"):
+        compile_tool.main(["compile", "--config=experiments/alfworld.py:cpu", "--programs=turn"])
 
 
 @pytest.mark.slow  # Compiles the tiny setting's prefill and decode: a minute or two on 2 cores.

@@ -365,7 +365,7 @@ def run_in_lockstep(
 def _serve(channel: _Channel, executor, allgather, me: int) -> None:
     """Rounds until every host's worker has ended (module docstring)."""
     ended: Request | None = None
-    rounds = 0
+    rounds = programs = 0
     while True:
         mine = ended or channel.next()
         if mine.kind in ENDS:
@@ -377,10 +377,11 @@ def _serve(channel: _Channel, executor, allgather, me: int) -> None:
         if failed:
             raise LockstepAborted(f"The rollouts of host(s) {failed} failed; see their logs.")
         if all(r.kind == "done" for r in requests):
-            log.debug("lockstep: %d rounds", rounds)
+            log.info("slice-wide sampling: %d rounds, %d groups of calls", rounds, programs)
             return
         reply = None
         for group in plan_round(requests):
+            programs += 1
             out = executor.run(group, requests)
             if me in group.hosts:
                 reply = out

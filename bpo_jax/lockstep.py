@@ -32,7 +32,9 @@ different call sequences into one sequence of rounds that all hosts run alike:
     shapes, see `bpo_jax.slice_sampler`).
   * Failures end every host: a worker's exception is announced as a "failed" request, the
     other hosts' workers are answered with `LockstepAborted`, and each host raises (its worker's
-    own error where it failed), so no host waits forever in a collective.
+    own error where it failed), so no host waits forever in a collective. An error in a program
+    itself (on the main thread) ends its host as in any SPMD run: the others stop in their next
+    collective when the runtime finds a process missing.
 
 Prefix reuse (`sampler.prefix_reuse`) is not supported: a prefix cache's programs depend on
 what each host's cache holds, so a config asking for both is refused (`bpo_jax.config`).
@@ -84,7 +86,7 @@ class Request:
       in_place: sample: every prompt once, in order, and the context not kept (the caller's
         `sample(ctx)`): the context's cache may be consumed rather than copied.
       greedy: sample: argmax tokens.
-      key: sample: (raw key data [2] uint32, key implementation name) of the call's key.
+      key: sample: (the call's raw key data as ints, its implementation's name).
       released: context ids this host's worker has dropped since its previous request.
     """
 
@@ -95,7 +97,7 @@ class Request:
     rows: tuple[int, ...] = ()
     in_place: bool = False
     greedy: bool = False
-    key: tuple[np.ndarray, str] | None = None
+    key: tuple[tuple[int, ...], str] | None = None
     released: tuple[int, ...] = ()
 
     def __post_init__(self):
@@ -304,9 +306,10 @@ class LockstepPolicy:
         return action_samples(self.tokenizer, *fields, len(rows))
 
 
-def _key_data(rng) -> tuple[np.ndarray, str]:
+def _key_data(rng) -> tuple[tuple[int, ...], str]:
     key = typed_key(rng)
-    return np.asarray(jax.random.key_data(key), np.uint32), str(jax.random.key_impl(key))
+    data = np.asarray(jax.random.key_data(key)).reshape(-1)
+    return tuple(int(v) for v in data), str(jax.random.key_impl(key))
 
 
 def run_in_lockstep(

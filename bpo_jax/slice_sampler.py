@@ -49,14 +49,14 @@ def play_slice_wide(policy, play: Callable[[lockstep.LockstepPolicy], object]):
 
 
 @functools.partial(jax.jit, static_argnames=("impl", "rows"))
-def host_row_keys(data_p2, *, impl: str, rows: int):
+def host_row_keys(data_pk, *, impl: str, rows: int):
     """[P * rows] keys: row j of host p's block gets `fold_in(key_p, j)` (`tokens.row_keys`).
 
     Args:
-      data_p2: [P, 2] uint32, each host's key data (any key for a host without rows).
+      data_pk: [P, K] uint32, each host's raw key data (any key for a host without rows).
       impl: the keys' implementation name (`jax.random.key_impl`).
     """
-    keys_p = jax.random.wrap_key_data(data_p2, impl=impl)
+    keys_p = jax.random.wrap_key_data(data_pk, impl=impl)
     return jax.vmap(lambda key: row_keys(key, rows))(keys_p).reshape(-1)
 
 
@@ -148,21 +148,20 @@ class SliceSampler:
         state = self._consume(group, requests)
         if state is None:
             state = self._gather(group, requests)
-        key_data = np.zeros((self.hosts, 2), np.uint32)
-        impls = set()
+        kinds = {(len(requests[h].key[0]), requests[h].key[1]) for h in hosts}
+        if len(kinds) != 1:
+            raise ValueError(f"The hosts' sampling keys are of different kinds: {sorted(kinds)}.")
+        width, impl = kinds.pop()
+        key_data = np.zeros((self.hosts, width), np.uint32)  # Zeros: hosts without rows.
         for h in hosts:
-            data, impl = requests[h].key
-            key_data[h] = np.asarray(data, np.uint32).reshape(2)
-            impls.add(impl)
-        if len(impls) != 1:
-            raise ValueError(f"The hosts' sampling keys are of different kinds: {sorted(impls)}.")
+            key_data[h] = requests[h].key[0]
         temperature = 0.0 if group.greedy else self.policy.temperature
         top_p = self.sampler.top_p
         out = self.sampler.generate_fn(row_mesh(state.cache))(
             self.policy.params,
             state.cache,
             state.last_logits,
-            host_row_keys(key_data, impl=impls.pop(), rows=r),
+            host_row_keys(key_data, impl=impl, rows=r),
             jnp.float32(max(temperature, 1e-6)),
             jnp.float32(top_p),
             num_new=self.sampler.max_new_tokens,

@@ -28,7 +28,7 @@ from bpo_jax.policy import Policy
 from bpo_jax.sampler.tokens import row_keys
 from bpo_jax.slice_sampler import SliceSampler, host_row_keys, own_rows, rows_held
 
-KEY = (np.asarray(jax.random.key_data(jax.random.key(7))), "threefry2x32")
+KEY = (tuple(int(v) for v in jax.random.key_data(jax.random.key(7))), "threefry2x32")
 
 
 def _prefill(n, length=3):
@@ -230,7 +230,7 @@ def test_two_simulated_hosts_sample_host_0_s_rows_as_it_alone_does(policy, consu
     prompts = [rng.integers(2, 96, n).tolist() for n in (5, 11, 3, 8)]
     # Host 1: more, longer prompts (a wider batch and length bucket), other rows and keys.
     other = [rng.integers(2, 96, n).tolist() for n in (30, 2, 17, 9, 12, 4, 6, 20, 7)]
-    key1 = (np.asarray(jax.random.key_data(jax.random.key(99))), "threefry2x32")
+    key1 = (tuple(int(v) for v in jax.random.key_data(jax.random.key(99))), "threefry2x32")
     script = _Script(
         [
             Request("prefill", prompts=tuple(map(tuple, other))),

@@ -26,6 +26,7 @@ from bpo_jax.models import sharding
 from bpo_jax.models.llama import Transformer
 from bpo_jax.policy import Policy
 from bpo_jax.sampler.tokens import row_keys
+from bpo_jax.shares import play_in_shares
 from bpo_jax.slice_sampler import SliceSampler, host_row_keys, own_rows, rows_held
 
 KEY = (tuple(int(v) for v in jax.random.key_data(jax.random.key(7))), "threefry2x32")
@@ -170,6 +171,23 @@ def test_own_failure_is_raised_and_announced():
     with pytest.raises(KeyError, match="env broke"):
         run_in_lockstep(play, _Recorder(), _Settings(), allgather=script, me=0)
     assert [r[0].kind for r in script.seen] == ["prefill", "failed"]
+
+
+def test_one_process_plays_a_slice_wide_policy_as_the_host_path():
+    """With one process both modes are the plain path: `play` gets the policy itself."""
+
+    class SliceWide:
+        slice_wide = True
+
+    policy, seen = SliceWide(), []
+
+    def play(tasks, key, share, share_policy):
+        seen.append(share_policy)
+        return sum(tasks)
+
+    played = play_in_shares(list(range(5)), 2, jax.random.key(0), policy, play)
+    assert seen == [policy, policy]
+    assert [(s.start, s.stop, r) for s, r in played] == [(0, 2, 1), (2, 5, 9)]
 
 
 # ---------------------------------------------------------------------- device side

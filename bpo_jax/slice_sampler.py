@@ -67,7 +67,6 @@ class _Context:
     state: PrefillState
     block: int  # Rows per host: host p's are [p * block, (p + 1) * block).
     owners: frozenset[int]  # Hosts with prompts in it.
-    lengths_b: np.ndarray  # [hosts * block] cached tokens per row.
     released: set[int] = dataclasses.field(default_factory=set)
 
 
@@ -123,10 +122,11 @@ class SliceSampler:
         cache, last_bv = self.sampler.prefill_fn(row_mesh(cache))(
             self.policy.params, cache, last_bv, tokens_bt, num_new_b, offset_bound=0
         )
-        state = PrefillState(cache, last_bv, num_new_b, tokens_bt.shape[1])
+        # Every row's cached length is known on every host: the prompts' lengths.
+        state = PrefillState(cache, last_bv, num_new_b, tokens_bt.shape[1], num_new_b.copy())
         context = self._next_id
         self._next_id += 1
-        self.contexts[context] = _Context(state, r, frozenset(group.hosts), num_new_b.copy())
+        self.contexts[context] = _Context(state, r, frozenset(group.hosts))
         return (context, self.me * r) if self.me in group.hosts else None
 
     def _entropy(self, group, requests):
@@ -213,7 +213,7 @@ class SliceSampler:
         rows = lockstep.blocks(
             index, self.hosts, group.rows, lambda p, own: own[0] if own else p * sources[0].block
         )
-        lengths_b = np.concatenate([s.lengths_b for s in sources])[rows]
+        lengths_b = np.concatenate([s.state.host_lengths for s in sources])[rows]
         return regroup([s.state for s in sources], rows, lengths_b, self._layout(len(rows)))
 
     def _layout(self, batch: int):

@@ -160,9 +160,18 @@ def make_policy(cfg: ExperimentConfig, graphdef, params, tokenizer, mcfg, mesh=N
         temperature=cfg.sampler.temperature,
         top_p=cfg.sampler.top_p,
         length_bucket=cfg.sampler.length_bucket,
-        # Each host samples for its own share of the tasks, on its own devices.
-        mesh=None if mesh is None else distributed.local_mesh(mesh),
+        mesh=_sampler_mesh(cfg, mesh),
+        prefix_reuse=cfg.sampler.prefix_reuse,
+        slice_wide=cfg.mesh.sampler == "slice",
     )
+
+
+def _sampler_mesh(cfg: ExperimentConfig, mesh):
+    """The policy's mesh: each host's own devices ("host" sampling: each samples for its own
+    share of the tasks), or the whole mesh ("slice": the hosts' calls joined in lockstep)."""
+    if mesh is None or cfg.mesh.sampler == "slice":
+        return mesh
+    return distributed.local_mesh(mesh)
 
 
 def make_critic(cfg: ExperimentConfig, graphdef, width: int, pad_id: int):

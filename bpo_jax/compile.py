@@ -463,7 +463,12 @@ def compile_report(
     DCN bandwidth.
 
     `sampler`: "slice" compiles prefill and decode over the whole mesh at the whole rollout
-    batch (a one-process run's layout); "host" as a multi-host run samples (`bpo_jax.shares`):
+    batch, with the parameters in the train state's sharding: a one-process run's layout, and
+    what a multi-host run with `mesh.sampler="slice"` runs (`bpo_jax.slice_sampler`: every
+    host's rows in one program; its batch is hosts x the power-of-two bucket of a host's rows,
+    `policy.batch_bucket`, the rollout batch itself when each host's rows are a power of two,
+    as at every setting the README reports); "host" as a multi-host run with
+    `mesh.sampler="host"` samples (`bpo_jax.shares`):
     on one host's own chips (`distributed.process_mesh`, e.g. 4 of a v5litepod-64's 64) at that
     host's rows (`rollout_rows`), with the parameters copied there (`distributed.to_local`)
     while the global train state (parameters and optimizer state over the slice) stays
@@ -644,8 +649,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         "sampler",
         "slice",
         ["slice", "host"],
-        "slice: prefill and decode over the whole slice at the whole rollout batch; host: on one "
-        "host's chips at its share of the tasks, as a multi-host run samples.",
+        "slice: prefill and decode over the whole slice at the whole rollout batch, parameters "
+        "in the train sharding (what --config.mesh.sampler=slice runs); host: on one host's "
+        "chips at its share of the tasks, as --config.mesh.sampler=host runs.",
         flag_values=flags_,
     )
     flags.DEFINE_enum(

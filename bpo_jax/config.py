@@ -40,6 +40,7 @@ from bpo_jax.forest import STEP_WEIGHTINGS
 from bpo_jax.learner import LOSS_AGGS
 from bpo_jax.models.config import PRESETS, RANDOM_INIT_PRESETS
 from bpo_jax.models.llama import REMAT_POLICIES
+from bpo_jax.shares import SAMPLER_MODES
 
 # The algorithm registry under its old name (algorithm name -> `Algorithm`).
 ALGOS = ALGORITHMS
@@ -163,6 +164,14 @@ class MeshSpec(_Spec):
     dcn_data: int = dataclasses.field(
         default=0, metadata={"check": _Check(lambda v: v >= 0, "must be >= 0 (0: every slice)")}
     )
+    # Where a multi-host run samples (bpo_jax/shares.py): "host" on each host's own chips with a
+    # copy of the parameters; "slice" in programs over the whole mesh, every host's calls joined
+    # in lockstep (bpo_jax/slice_sampler.py), which TPU slices with limited ICI routing (v5e,
+    # v6e) need. Identical with one process.
+    sampler: str = dataclasses.field(
+        default="host",
+        metadata={"check": _Check(lambda v: v in SAMPLER_MODES, f"must be one of {SAMPLER_MODES}")},
+    )
 
     def _check_fields(self):
         if [self.data, self.fsdp, self.tensor].count(-1) > 1:
@@ -237,6 +246,12 @@ class SamplerSpec(_Spec):
     )
     top_p: float = check(lambda v: 0 < v <= 1, "must be in (0, 1]")
     length_bucket: int = at_least(1)
+    # Prompts continue the contexts of the previous turn's (bpo_jax/sampler/prefixes.py): the
+    # same tokens up to float rounding, less prefill work. Not with mesh.sampler="slice".
+    prefix_reuse: bool = dataclasses.field(
+        default=True,
+        metadata={"check": _Check(lambda v: isinstance(v, bool), "must be True or False")},
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -422,6 +437,15 @@ class ExperimentConfig:
                 f"config.bc.recovery needs a generator of commands the game cannot execute for "
                 f"env.name {self.env.name!r} (there is one for: {sorted(INADMISSIBLE_ACTIONS)}), "
                 f"got bc.recovery={self.bc.recovery!r}; set it to 0."
+            )
+        if self.mesh.sampler == "slice" and self.sampler.prefix_reuse:
+            # A prefix cache's programs depend on what each host's cache holds, so the hosts'
+            # calls cannot be joined (bpo_jax/slice_sampler.py); turning it off silently
+            # would change the run's float results.
+            raise ValueError(
+                "config.mesh.sampler='slice' samples without prefix reuse; set "
+                "sampler.prefix_reuse=False (or use mesh.sampler='host'), got "
+                f"sampler.prefix_reuse={self.sampler.prefix_reuse!r}."
             )
         self.algorithm.check(self)
 

@@ -42,6 +42,9 @@ def fingerprint(params, task_ids, cfg, rng, greedy: bool, salt: bytes = b"") -> 
         name: dataclasses.asdict(getattr(cfg, name))
         for name in ("env", "agent", "sampler", "model")
     }
+    if shaping["sampler"].get("prefix_reuse", True):
+        # The default, left out so that results stored before the option existed still match.
+        shaping["sampler"].pop("prefix_reuse", None)
     shaping["task_shards"] = cfg.mesh.task_shards
     h.update(json.dumps(shaping, sort_keys=True, default=str).encode())
     h.update(json.dumps([list(task_ids), bool(greedy)]).encode())

@@ -57,15 +57,15 @@ def evaluate(
     mine = sum(slices[s].stop - slices[s].start for s in distributed.my_shares(num))
     bar = progress(mine, desc=f"eval ({label})", unit="episode")
 
-    def episodes(share_tasks, key, _share):
+    def episodes(share_tasks, key, _share, share_policy):
         trajs, _ = play(
             pool,
-            policy,
+            share_policy,
             share_tasks,
             1,
             rng=key,
             greedy=greedy,
-            agent=make_agent(cfg, policy.tokenizer),
+            agent=make_agent(cfg, share_policy.tokenizer),
             progress_bar=bar,
             cohorts=cfg.rollout.overlap_cohorts,
         )
@@ -74,7 +74,7 @@ def evaluate(
             for t in trajs
         ]
 
-    played = [e for _, part in play_in_shares(tasks, num, rng, episodes) for e in part]
+    played = [e for _, part in play_in_shares(tasks, num, rng, policy, episodes) for e in part]
     bar.close()
     invalid = [i for e in played for i in e[4]]
     out = {

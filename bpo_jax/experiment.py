@@ -111,6 +111,10 @@ def base_config(
     # Multislice (several TPU slices over DCN): the data axis spans the slices, `dcn_data` of
     # them (0: all the devices span); data, fsdp and tensor above are sizes within one slice.
     c.mesh.dcn_data = 0
+    # Where a multi-host run samples: "host" (each host on its own chips, with a copy of the
+    # parameters) or "slice" (programs over the whole mesh, the hosts in lockstep; needs
+    # sampler.prefix_reuse=False). TPU v5e / v6e slices refuse one host's programs: use "slice".
+    c.mesh.sampler = "host"
 
     # Agent turn format (bpo_jax/agent/): task + first observation + the last `history_turns`
     # (observation, action) pairs + the current observation; the action is parsed from the
@@ -133,6 +137,8 @@ def base_config(
     c.sampler.temperature = 0.5 if cpu else 1.0
     c.sampler.top_p = 1.0
     c.sampler.length_bucket = 64
+    # Each turn's prompts continue the previous turn's contexts (bpo_jax/sampler/prefixes.py).
+    c.sampler.prefix_reuse = True
 
     # Behaviour cloning from expert demos (starts the tiny policy; off for 7B/8B).
     c.bc = ml_collections.ConfigDict()

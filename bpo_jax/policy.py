@@ -25,7 +25,8 @@ class ActionSample:
 
 
 @functools.partial(jax.jit, static_argnums=1)
-def _entropy(logits_bv, temperature: float):
+def next_token_entropies(logits_bv, temperature: float):
+    """[B] entropy of softmax(logits / temperature) per row (the branch rule's h_t score)."""
     logp = jax.nn.log_softmax(logits_bv.astype(jnp.float32) / temperature, axis=-1)
     return -jnp.sum(jnp.exp(logp) * logp, axis=-1)
 
@@ -47,7 +48,28 @@ class PolicyContext:
         return int(self.state.prefilled_b[: self.size].sum())
 
 
-def _batch_bucket(n: int, minimum: int = 8) -> int:
+def action_samples(
+    tokenizer, tokens_bn, logprobs_bn, entropies_bn, lengths_b, n: int
+) -> list[ActionSample]:
+    """The first `n` rows of a sampler's output (host arrays) as actions, decoded."""
+    samples = []
+    stop = set(tokenizer.stop_ids)
+    for b in range(n):
+        length = int(lengths_b[b])
+        ids = [int(t) for t in tokens_bn[b, :length]]
+        text_ids = ids[:-1] if ids and ids[-1] in stop else ids
+        samples.append(
+            ActionSample(
+                token_ids=ids,
+                text=tokenizer.decode(text_ids),
+                logprobs=np.asarray(logprobs_bn[b, :length]),
+                entropies=np.asarray(entropies_bn[b, :length]),
+            )
+        )
+    return samples
+
+
+def batch_bucket(n: int, minimum: int = 8) -> int:
     """Rounds a batch up to a power of two so the number of compiled shapes stays small."""
     b = minimum
     while b < n:
@@ -66,7 +88,12 @@ class Policy:
         axes, so that with `data` > 1 each data-parallel replica samples its rows on its own
         (see `Sampler`). In a multi-host run it is this host's own devices
         (`distributed.local_mesh`): each host samples for its own tasks, and every call runs
-        under it.
+        under it; with `slice_wide` it is the global mesh.
+      slice_wide: `mesh.sampler="slice"`: in a multi-host run the parameters stay as set (the
+        train state's global arrays, no host copy), and the rollouts sample through
+        `bpo_jax.slice_sampler`, every host's calls joined into programs over the whole mesh;
+        this object's own prefill / sample then refuse to run (they would be one host's
+        programs). With one process it is the plain policy.
       prefixes: with `prefix_reuse` (the default), the `PrefixCache` that continues each
         turn's prompts from the previous turn's contexts, so a task's shared prefix is prefilled
         once for all its group members, branch children and turns; None without.
@@ -86,9 +113,11 @@ class Policy:
         length_bucket: int = 64,
         mesh: Mesh | None = None,
         prefix_reuse: bool = True,
+        slice_wide: bool = False,
     ):
         self.graphdef = graphdef
         self.mesh = mesh
+        self.slice_wide = slice_wide
         self.params = params
         self.tokenizer = tokenizer
         self.cache_len = -(-cache_len // length_bucket) * length_bucket
@@ -107,7 +136,7 @@ class Policy:
         self.prefixes = None
         if prefix_reuse:
             self.prefixes = PrefixCache(
-                self.sampler, self._new_cache, batch_rows=lambda n: _batch_bucket(n, 1)
+                self.sampler, self._new_cache, batch_rows=lambda n: batch_bucket(n, 1)
             )
 
     def _new_cache(self, batch: int):
@@ -124,13 +153,22 @@ class Policy:
 
     @params.setter
     def params(self, params):
-        self._params = params if self.mesh is None else distributed.to_local(params, self.mesh)
+        if self.mesh is None or self.slice_wide:
+            self._params = params
+        else:
+            self._params = distributed.to_local(params, self.mesh)
 
     def _on_mesh(self):
         """A host's own devices as the current mesh in a multi-host run (the run's mesh is the
         global one); with one process the caller's mesh stays current."""
         if self.mesh is None or jax.process_count() == 1:
             return contextlib.nullcontext()
+        if self.slice_wide:
+            raise RuntimeError(
+                "A slice-wide policy (mesh.sampler='slice') samples through "
+                "bpo_jax.slice_sampler.play_slice_wide in a multi-process run (as "
+                "shares.play_in_shares does), not by its own prefill/sample."
+            )
         return jax.set_mesh(self.mesh)
 
     def prefill(self, prompts: list[list[int]]) -> PolicyContext:
@@ -150,7 +188,7 @@ class Policy:
                     f"Prompt {i} has {len(p)} tokens; with {self.max_new_tokens} action "
                     f"tokens it exceeds the cache length {self.cache_len}."
                 )
-        batch = _batch_bucket(n)
+        batch = batch_bucket(n)
         rows = list(prompts) + [[self.tokenizer.pad_id]] * (batch - n)
         if self.prefixes is not None:
             state = self.prefixes.prefill(self.params, rows)
@@ -165,7 +203,8 @@ class Policy:
         branch rule may look at.
         """
         with self._on_mesh():
-            return np.asarray(_entropy(ctx.state.last_logits, self.temperature))[: ctx.size]
+            entropy_b = next_token_entropies(ctx.state.last_logits, self.temperature)
+            return np.asarray(entropy_b)[: ctx.size]
 
     def sample(
         self,
@@ -199,23 +238,11 @@ class Policy:
                 return []
             if min(rows) < 0 or max(rows) >= ctx.size:
                 raise ValueError(f"rows must index the {ctx.size} prompts, got {rows}.")
-            batch = _batch_bucket(n)
+            batch = batch_bucket(n)
             state = self.sampler.fork(ctx.state, list(rows) + [rows[0]] * (batch - n))
         out = self.sampler.generate(
             self.params, state, rng, temperature=0.0 if greedy else self.temperature
         )
-        samples = []
-        stop = set(self.tokenizer.stop_ids)
-        for b in range(n):
-            length = int(out.lengths[b])
-            ids = [int(t) for t in out.tokens[b, :length]]
-            text_ids = ids[:-1] if ids and ids[-1] in stop else ids
-            samples.append(
-                ActionSample(
-                    token_ids=ids,
-                    text=self.tokenizer.decode(text_ids),
-                    logprobs=np.asarray(out.logprobs[b, :length]),
-                    entropies=np.asarray(out.entropies[b, :length]),
-                )
-            )
-        return samples
+        return action_samples(
+            self.tokenizer, out.tokens, out.logprobs, out.entropies, out.lengths, n
+        )

@@ -154,11 +154,11 @@ def play_batch(pool, policy, tasks, cfg: ExperimentConfig, state: RolloutState, 
     # One share on one process: play on the running statistics themselves.
     direct = num == 1 and distributed.process_count() == 1
 
-    def play(share_tasks, key, _share):
+    def play(share_tasks, key, _share, share_policy):
         local = state if direct else shares.recording_copy(state)
         forest = play_forest(
             pool,
-            policy,
+            share_policy,
             encode,
             share_tasks,
             spec,
@@ -170,7 +170,7 @@ def play_batch(pool, policy, tasks, cfg: ExperimentConfig, state: RolloutState, 
         )
         return forest, None if direct else shares.recorded_delta(local)
 
-    played = shares.play_in_shares(tasks, num, rng, play)
+    played = shares.play_in_shares(tasks, num, rng, policy, play)
     if not direct:
         for _, (_, delta) in played:
             state.loaded(delta)

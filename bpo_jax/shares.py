@@ -1,12 +1,16 @@
 """A batch of tasks played in shares, one host per share: the rollout side of multi-host runs.
 
 Each host plays its shares of the batch (`distributed.my_shares`: contiguous slices of the task
-list, each one batch with its own key) with its own sandbox pool and its own devices; a tree
-never spans hosts. The hosts then exchange what they played, so every host holds the whole
-batch's forest in task order (`merge_forests`), computes the same advantages and metrics, and
-feeds the same global update. The rollouts' running statistics (branch rule, lengths, costs)
-are read as they stood at the start of the batch by every share and merged afterwards in share
-order, so the outcome depends on the number of shares, not on which process played which.
+list, each one batch with its own key) with its own sandbox pool; a tree never spans hosts. Where
+it samples is `mesh.sampler` (`SAMPLER_MODES`): "host", on its own devices (the policy holds a
+copy of the parameters there), or "slice", in programs over the whole mesh that every host's
+calls join in lockstep (`bpo_jax.slice_sampler`), as TPU slices with limited ICI routing (v5e,
+v6e) require: they refuse programs on a subset of their chips. The hosts then exchange what
+they played, so every host holds the whole batch's forest in task order (`merge_forests`),
+computes the same advantages and metrics, and feeds the same global update. The rollouts'
+running statistics (branch rule, lengths, costs) are read as they stood at the start of the
+batch by every share and merged afterwards in share order, so the outcome depends on the number
+of shares, not on which process played which.
 """
 
 from __future__ import annotations
@@ -21,24 +25,42 @@ import numpy as np
 from bpo_jax import distributed
 from bpo_jax.forest import ComputeStats, RolloutForest
 
+# Where a multi-host run samples (`config.mesh.sampler`; module docstring).
+SAMPLER_MODES = ("host", "slice")
+
 
 def play_in_shares(
-    tasks: Sequence, shares: int, rng, play: Callable[[list, object, int], object]
+    tasks: Sequence, shares: int, rng, policy, play: Callable[[list, object, int, object], object]
 ) -> list[tuple[slice, object]]:
-    """`play(tasks of share s, key of share s, s)` for this process's shares, gathered.
+    """`play(tasks of share s, key of share s, s, policy)` for this process's shares, gathered.
+
+    With a slice-wide policy (`Policy.slice_wide`) in a multi-process run, `play` gets a
+    `lockstep.LockstepPolicy` in `policy`'s place and runs in a worker thread, its sampling
+    joined with the other hosts' (`slice_sampler.play_slice_wide`).
 
     Returns:
       [(slice of `tasks`, result)] for every non-empty share, in share order, on every process.
       A collective: every process must call it at the same point.
     """
     slices = distributed.share_slices(len(tasks), shares)
-    mine = []
-    with distributed.on_local_mesh():
-        rng = distributed.local_key(rng)
+
+    def play_mine(policy_) -> list:
+        mine = []
         for s in distributed.my_shares(shares):
             if slices[s].stop > slices[s].start:
                 key = distributed.share_key(rng, s, shares)
-                mine.append((s, play(list(tasks[slices[s]]), key, s)))
+                mine.append((s, play(list(tasks[slices[s]]), key, s, policy_)))
+        return mine
+
+    if getattr(policy, "slice_wide", False) and distributed.process_count() > 1:
+        from bpo_jax.slice_sampler import play_slice_wide  # Local: imports the sampler.
+
+        rng = distributed.local_key(rng)
+        mine = play_slice_wide(policy, play_mine)
+    else:
+        with distributed.on_local_mesh():
+            rng = distributed.local_key(rng)
+            mine = play_mine(policy)
     gathered = [item for part in distributed.allgather_objects(mine) for item in part]
     return [(slices[s], result) for s, result in sorted(gathered, key=lambda x: x[0])]
 

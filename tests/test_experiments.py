@@ -81,6 +81,9 @@ def test_unknown_variant_is_refused(path):
         ("sampler.top_p", 0.0, r"config.sampler.top_p must be in \(0, 1\]"),
         ("agent.max_prompt_tokens", 5000, "must fit in model.max_seq_len"),
         ("env.sandbox_backend", "docker", "config.env.sandbox_backend must be one of"),
+        ("mesh.sampler", "pod", "config.mesh.sampler must be one of"),
+        # The default keeps prefix reuse, which slice-wide sampling cannot join across hosts.
+        ("mesh.sampler", "slice", "set sampler.prefix_reuse=False"),
     ],
 )
 def test_invalid_values_name_the_field(field, value, match):

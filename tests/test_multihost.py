@@ -4,7 +4,9 @@ against one process with 4 devices, on the tiny ALFWorld config with BPO.
 Both split every batch of tasks into the same two shares (`mesh.task_shards=2`); the two
 processes play one share each, the single process both, so their rollouts, advantages and
 updates, and hence their parameters, must agree. The two-process run must write its files
-once, and resume from its own checkpoint.
+once, and resume from its own checkpoint. Both sampling modes are checked: each process on its
+own devices (`mesh.sampler=host`, the default) and every sampler program over both processes'
+devices, the processes in lockstep (`mesh.sampler=slice`).
 """
 
 import json
@@ -189,6 +191,41 @@ def test_two_processes_match_one_and_resume(tmp_path):
     outs = _run_two(two, ["--config.train.iterations=3"])
     assert all("Resumed from checkpoint" in out for out in outs), outs[0][-3000:]
     assert _iterations(two) == [1, 2, 3]
+
+
+# Slice-wide sampling has no prefix reuse; the one-process reference runs without it too.
+SLICE_WIDE = ["--config.mesh.sampler=slice", "--config.sampler.prefix_reuse=False"]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(3600)  # Two runs, mostly compiling; measured in the test's print.
+def test_two_processes_sampling_slice_wide_match_one(tmp_path):
+    """`mesh.sampler=slice`: every sampler program over both processes' 4 devices, each
+    process's rows a block of the batch (`bpo_jax.slice_sampler`), against one process."""
+    two, one = tmp_path / "two", tmp_path / "one"
+    t0 = time.time()
+    outs = _run_two(two, SLICE_WIDE)
+    t_two = time.time() - t0
+    t0 = time.time()
+    _run_one(one, ["--config.sampler.prefix_reuse=False"])
+    t_one = time.time() - t0
+
+    p2, p1 = _final_params(two), _final_params(one)
+    assert p2.keys() == p1.keys()
+    diff = max(float(np.max(np.abs(p2[k] - p1[k]))) for k in p1)
+    print(f"slice-wide: two processes {t_two:.0f}s, one process {t_one:.0f}s, "
+          f"max |param diff| {diff:.2e}")  # fmt: skip
+    assert diff <= 1e-5
+    assert all("SUMMARY" in out for out in outs)
+    records = [json.loads(line) for line in (two / "metrics.jsonl").read_text().splitlines()]
+    iters = [r for r in records if "train/iteration" in r]
+    assert any(r["train/grad_norm_mean"] > 0 for r in iters), iters
+    assert sum(r["train/branch_points"] for r in iters) > 0, iters
+    # Files written once, with the one-process run's evaluations.
+    assert _iterations(two) == [1, 2] == _iterations(one)
+    evals = json.loads((two / "evals.json").read_text())
+    assert evals["after_rl"]["eval/num_episodes"] == 2
+    assert _without_seconds(evals) == _without_seconds(json.loads((one / "evals.json").read_text()))
 
 
 def test_merged_forest_keeps_every_share_s_values_and_weights():

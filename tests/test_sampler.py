@@ -361,11 +361,11 @@ def test_prompt_lengths_share_a_bucket(setup):
     with pytest.raises(ValueError, match="length_bucket"):
         sampler_lib.bucket_length(3, 0)
     sampler.prefill(params, fresh_cache(4), prompts([40, 2, 3, 3]))  # bucket 48
-    compiled = sampler._prefill_fn(None)._cache_size()
+    compiled = sampler.prefill_fn(None)._cache_size()
     for n in (33, 47, 48):
         state = sampler.prefill(params, fresh_cache(4), prompts([n, 1, 2, 3]))
         assert state.prefill_len == 48
-    assert sampler._prefill_fn(None)._cache_size() == compiled
+    assert sampler.prefill_fn(None)._cache_size() == compiled
 
 
 def test_nucleus_mask_hand_values():

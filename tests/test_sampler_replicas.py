@@ -84,7 +84,7 @@ _SCRIPT = textwrap.dedent(
     cache = init_cache(cfg, 8, 96, mesh=mesh)
     out["cache_spec"] = str(cache.k[0].sharding.spec)
     state = dp_sampler.prefill(rep, cache, prompts)
-    lowered = dp_sampler._generate_fn(mesh).lower(
+    lowered = dp_sampler.generate_fn(mesh).lower(
         rep, state.cache, state.last_logits, jax.random.key(0), jnp.float32(0.7),
         jnp.float32(1.0), num_new=12, greedy=False, nucleus=False)
     hlo = lowered.compile().as_text()

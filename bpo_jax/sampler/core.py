@@ -165,7 +165,7 @@ class Sampler:
         else:
             cache, last_logits, known_lengths = state.cache, state.last_logits, state.host_lengths
         batch = cache.batch_size
-        tokens_bt, num_new_b = self._pad_tokens(tokens, lengths, batch)
+        tokens_bt, num_new_b = self.pad_tokens(tokens, lengths, batch)
         if last_logits is None:
             vocab = self._vocab(params)
             last_logits = jnp.zeros((batch, vocab), jnp.float32)
@@ -188,7 +188,7 @@ class Sampler:
         if tokens_bt.shape[1] == 0:  # nothing to run
             out = PrefillState(cache, last_logits, num_new_b, 0, new_len_b)
             return (out, fork_rows(out, np.arange(batch))) if keep else out
-        result = self._prefill_fn(row_mesh(cache))(
+        result = self.prefill_fn(row_mesh(cache))(
             params,
             cache,
             last_logits,
@@ -234,7 +234,7 @@ class Sampler:
                 f"rng must be one key or {state.batch_size} keys (one per row), got key shape "
                 f"{rng.shape}."
             )
-        out = self._generate_fn(row_mesh(state.cache))(
+        out = self.generate_fn(row_mesh(state.cache))(
             params,
             state.cache,
             state.last_logits,
@@ -274,14 +274,21 @@ class Sampler:
 
     # ------------------------------------------------------------------ jitted programs
 
-    def _prefill_fn(self, mesh: Mesh | None):
+    def prefill_fn(self, mesh: Mesh | None):
+        """The jitted prefill (`programs.prefill_program`) for caches whose rows `mesh` splits.
+
+        Public for callers that run it on arrays the host cannot read whole, such as a slice's
+        global batch (`bpo_jax.slice_sampler`); `prefill` is the checked way in.
+        """
         if mesh not in self._prefill_fns:
             self._prefill_fns[mesh] = programs.prefill_program(
                 self.graphdef, mesh, donate=self._donate
             )
         return self._prefill_fns[mesh]
 
-    def _generate_fn(self, mesh: Mesh | None):
+    def generate_fn(self, mesh: Mesh | None):
+        """The jitted decode (`programs.generate_program`) for caches whose rows `mesh` splits;
+        like `prefill_fn`, for global batches (`generate` reads its outputs whole)."""
         if mesh not in self._generate_fns:
             self._generate_fns[mesh] = programs.generate_program(
                 self.graphdef, mesh, eos_ids=self.eos_ids, pad_id=self.pad_id, donate=self._donate
@@ -290,8 +297,11 @@ class Sampler:
 
     # ------------------------------------------------------------------ helpers
 
-    def _pad_tokens(self, tokens, lengths, batch: int) -> tuple[np.ndarray, np.ndarray]:
-        """Right-pads tokens to the bucket: (tokens [B, T_bucket] int32, num_new [B] int32)."""
+    def pad_tokens(self, tokens, lengths, batch: int) -> tuple[np.ndarray, np.ndarray]:
+        """Right-pads tokens to the bucket: (tokens [B, T_bucket] int32, num_new [B] int32).
+
+        Pure numpy: every host of a slice-wide prefill pads the same global rows the same way.
+        """
         if isinstance(tokens, np.ndarray | jax.Array):
             arr = np.asarray(tokens)
             if arr.ndim != 2:

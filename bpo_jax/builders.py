@@ -171,7 +171,30 @@ def _sampler_mesh(cfg: ExperimentConfig, mesh):
     share of the tasks), or the whole mesh ("slice": the hosts' calls joined in lockstep)."""
     if mesh is None or cfg.mesh.sampler == "slice":
         return mesh
+    check_host_sampling(mesh)
     return distributed.local_mesh(mesh)
+
+
+# TPU device kinds whose multi-host slices have limited ICI routing (v5e reports "TPU v5 lite",
+# v6e "TPU v6 lite"): libtpu refuses a program on some of the slice's chips ("On platforms with
+# limited ICI routing device assignment should include all slice devices").
+_WHOLE_SLICE_ONLY = ("lite", "v5e", "v6e")
+
+
+def check_host_sampling(mesh) -> None:
+    """Fails before the first rollout where per-host sampling cannot run (v5e and v6e pods).
+
+    Raises:
+      ValueError: naming the settings that sample slice-wide instead.
+    """
+    kind = str(getattr(mesh.devices.flat[0], "device_kind", "")).lower()
+    hosts = {d.process_index for d in mesh.devices.flat}
+    if len(hosts) > 1 and any(k in kind for k in _WHOLE_SLICE_ONLY):
+        raise ValueError(
+            f"mesh.sampler='host' samples on each host's own chips, which a multi-host "
+            f"{kind!r} slice refuses (limited ICI routing: a program must span the whole "
+            "slice). Set --config.mesh.sampler=slice --config.sampler.prefix_reuse=False."
+        )
 
 
 def make_critic(cfg: ExperimentConfig, graphdef, width: int, pad_id: int):

@@ -276,3 +276,25 @@ def test_two_simulated_hosts_sample_host_0_s_rows_as_it_alone_does(policy, consu
     for got, ref in zip(samples, want):
         np.testing.assert_allclose(got.logprobs, ref.logprobs, atol=1e-5)
         np.testing.assert_allclose(got.entropies, ref.entropies, atol=1e-5)
+
+
+class _Device:
+    def __init__(self, kind, process_index):
+        self.device_kind, self.process_index = kind, process_index
+
+
+class _Mesh:
+    def __init__(self, kind, hosts):
+        self.devices = np.array([_Device(kind, p) for p in range(hosts) for _ in range(4)])
+
+
+def test_host_sampling_is_refused_on_multi_host_v5e_and_v6e_slices():
+    """libtpu refuses programs on part of a v5e / v6e slice: say so before the first rollout."""
+    from bpo_jax.builders import check_host_sampling
+
+    for kind in ("TPU v5 lite", "TPU v6 lite"):
+        with pytest.raises(ValueError, match="mesh.sampler=slice"):
+            check_host_sampling(_Mesh(kind, hosts=2))
+        check_host_sampling(_Mesh(kind, hosts=1))  # one host: its chips are the slice
+    check_host_sampling(_Mesh("TPU v5p", hosts=2))
+    check_host_sampling(_Mesh("cpu", hosts=2))

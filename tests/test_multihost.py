@@ -166,22 +166,7 @@ def test_two_processes_match_one_and_resume(tmp_path):
     _run_one(one)
     t_one = time.time() - t0
 
-    p2, p1 = _final_params(two), _final_params(one)
-    assert p2.keys() == p1.keys()
-    diff = max(float(np.max(np.abs(p2[k] - p1[k]))) for k in p1)
-    print(f"two processes {t_two:.0f}s, one process {t_one:.0f}s, max |param diff| {diff:.2e}")
-    assert diff <= 1e-5
-    # RL updated the parameters with trees that branched (not a comparison of zero updates).
-    records = [json.loads(line) for line in (two / "metrics.jsonl").read_text().splitlines()]
-    iters = [r for r in records if "train/iteration" in r]
-    assert any(r["train/grad_norm_mean"] > 0 for r in iters), iters
-    assert sum(r["train/branch_points"] for r in iters) > 0, iters
-
-    # Files written once: one metrics line per iteration, one record per evaluation.
-    assert _iterations(two) == [1, 2] == _iterations(one)
-    evals = json.loads((two / "evals.json").read_text())
-    assert evals["after_rl"]["eval/num_episodes"] == 2
-    assert _without_seconds(evals) == _without_seconds(json.loads((one / "evals.json").read_text()))
+    _assert_same_runs(two, one, "host", t_two, t_one)
     for name in ("config.json", "summary.json", "tokenizer.model", "expert_demos.json"):
         assert (two / name).is_file(), name
     assert not list(two.glob("*.tmp"))
@@ -210,18 +195,25 @@ def test_two_processes_sampling_slice_wide_match_one(tmp_path):
     _run_one(one, ["--config.sampler.prefix_reuse=False"])
     t_one = time.time() - t0
 
+    assert all("SUMMARY" in out for out in outs)
+    _assert_same_runs(two, one, "slice-wide", t_two, t_one)
+
+
+def _assert_same_runs(two: Path, one: Path, mode: str, t_two: float, t_one: float) -> None:
+    """The two-process run ended where the one-process run did, having learned something, and
+    wrote its files once."""
     p2, p1 = _final_params(two), _final_params(one)
     assert p2.keys() == p1.keys()
     diff = max(float(np.max(np.abs(p2[k] - p1[k]))) for k in p1)
-    print(f"slice-wide: two processes {t_two:.0f}s, one process {t_one:.0f}s, "
+    print(f"{mode}: two processes {t_two:.0f}s, one process {t_one:.0f}s, "
           f"max |param diff| {diff:.2e}")  # fmt: skip
     assert diff <= 1e-5
-    assert all("SUMMARY" in out for out in outs)
+    # RL updated the parameters with trees that branched (not a comparison of zero updates).
     records = [json.loads(line) for line in (two / "metrics.jsonl").read_text().splitlines()]
     iters = [r for r in records if "train/iteration" in r]
     assert any(r["train/grad_norm_mean"] > 0 for r in iters), iters
     assert sum(r["train/branch_points"] for r in iters) > 0, iters
-    # Files written once, with the one-process run's evaluations.
+    # Files written once: one metrics line per iteration, one record per evaluation.
     assert _iterations(two) == [1, 2] == _iterations(one)
     evals = json.loads((two / "evals.json").read_text())
     assert evals["after_rl"]["eval/num_episodes"] == 2

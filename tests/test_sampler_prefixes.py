@@ -57,6 +57,12 @@ def suffixes(lengths, first_tokens, seed):
     ]
 
 
+def grouped(h, lengths, first_tokens, seed):
+    """Prompts of rows in groups of GROUP: the group's head, then each row's own suffix."""
+    rows = suffixes(lengths, first_tokens, seed)
+    return [h[b // GROUP] + s for b, s in enumerate(rows)]
+
+
 def fresh(params, sampler, prompts):
     return sampler.prefill(params, new_cache(len(prompts)), prompts)
 
@@ -137,11 +143,11 @@ def test_group_members_continue_their_own_rows_in_place(setup, monkeypatch):
     prefixes = PrefixCache(sampler, new_cache)
     h = heads(seed=21)
     lens = [4, 6, 3, 5, 7, 2, 8, 5]
-    turn1 = [h[b // GROUP] + s for b, s in enumerate(suffixes(lens, range(1, 9), seed=22))]
+    turn1 = grouped(h, lens, range(1, 9), seed=22)
     prefixes.prefill(params, turn1)
     calls = []
     monkeypatch.setattr(prefixes_lib, "regroup", lambda *a: calls.append(a) or None)
-    turn2 = [h[b // GROUP] + s for b, s in enumerate(suffixes(lens, range(11, 19), seed=23))]
+    turn2 = grouped(h, lens, range(11, 19), seed=23)
     state = prefixes.prefill(params, turn2)
     assert calls == []
     assert state.prefilled_b.tolist() == lens
@@ -157,7 +163,7 @@ def test_rows_continue_other_rows_reordered_and_repeated(setup):
     prefixes = PrefixCache(sampler, new_cache)
     h = heads(seed=11)
     lens1 = [6, 3, 9, 4, 2, 8, 5, 7]
-    turn1 = [h[b // GROUP] + s for b, s in enumerate(suffixes(lens1, range(1, 9), seed=12))]
+    turn1 = grouped(h, lens1, range(1, 9), seed=12)
     state = prefixes.prefill(params, turn1)
     sampler.generate(params, state, jax.random.key(0))  # consumes `state`, not the kept rows
     parents = [5, 5, 2, 0, 7, 1]
@@ -185,7 +191,7 @@ def test_new_parameters_start_from_nothing(setup):
     prefixes = PrefixCache(sampler, new_cache)
     h = heads(seed=6)
     lens = [3, 4, 5, 6, 7, 8, 9, 10]
-    prompts = [h[b // GROUP] + s for b, s in enumerate(suffixes(lens, range(1, 9), seed=7))]
+    prompts = grouped(h, lens, range(1, 9), seed=7)
     prefixes.prefill(params, prompts)
     updated = jax.tree.map(lambda x: x * 1.01, params)
     state = prefixes.prefill(updated, prompts)

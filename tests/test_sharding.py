@@ -40,6 +40,19 @@ def test_indivisible_dimension_is_replicated():
     assert spec == PartitionSpec(None, None)
 
 
+def test_manual_axes_neither_split_nor_count():
+    """Inside a shard_map over `data` (the sampler's replicas), a replica's 64 rows split
+    exactly over fsdp 64: `data` must not count in the divisibility, or the rows are replicated
+    over fsdp (what made a 2 x v5litepod-64 prefill ask for 22.99 GiB of temporaries)."""
+    mesh = AbstractMesh((2, 64, 1), sharding.MESH_AXES)
+    spec = sharding.logical_to_spec(("batch", "length"), (64, 8), mesh, exclude={"data"})
+    assert spec == PartitionSpec("fsdp", None)
+    # Counting `data`, 64 rows do not divide data x fsdp = 128: fsdp would be dropped.
+    assert sharding.logical_to_spec(("batch", "length"), (64, 8), mesh) == PartitionSpec(
+        "data", None
+    )
+
+
 def test_partly_divisible_dimension_keeps_the_axes_that_divide():
     # A batch of 3 divides data=1 but not data*fsdp=2.
     spec = sharding.logical_to_spec(("batch", None), (3, 5), MESH_128)
@@ -274,3 +287,17 @@ def test_checkpoint_loads_sharded(sharded_run):
     assert sharded_run["loaded_qkv_proj"]["shard"] == [32, 1, 3, 16]
     assert sharded_run["loaded_qkv_proj"]["spec"] == sharded_run["layouts"]["qkv_proj"]["spec"]
     assert sharded_run["load_diff"] == 0.0
+
+
+def test_update_rows_that_do_not_split_over_the_batch_devices_warn(caplog):
+    from types import SimpleNamespace
+
+    from bpo_jax.learner.host import warn_if_rows_replicated
+    from bpo_jax.models.axes import DEFAULT_RULES
+
+    cfg = SimpleNamespace(mesh=SimpleNamespace(rules=DEFAULT_RULES))
+    mesh = AbstractMesh((2, 64, 1), sharding.MESH_AXES)
+    with caplog.at_level("WARNING"):
+        assert warn_if_rows_replicated(64, mesh, cfg)
+        assert "Use a multiple of 128" in caplog.text
+        assert not warn_if_rows_replicated(128, mesh, cfg)

@@ -5,6 +5,8 @@ log-probs and runs the clipped policy-gradient epochs.
 from __future__ import annotations
 
 import dataclasses
+import logging
+import math
 from collections.abc import Callable, Sequence
 
 import jax
@@ -20,6 +22,8 @@ from bpo_jax.learner.step import (
     make_train_step,
     state_shardings,
 )
+
+log = logging.getLogger(__name__)
 
 
 def round_up(n: int, multiple: int) -> int:
@@ -83,6 +87,8 @@ class RLUpdater:
         # Update batches become global arrays over the parameters' mesh, their rows split over
         # its batch axes (each host contributes the rows its devices hold).
         self.mesh = distributed.mesh_of(params) if params is not None else None
+        if self.mesh is not None:
+            warn_if_rows_replicated(t.microbatch_size or t.minibatch_size, self.mesh, cfg)
         if params is not None:
             shardings = state_shardings(
                 self.optimizer, params, jax.tree.map(lambda x: x.sharding, params)
@@ -153,3 +159,28 @@ class RLUpdater:
     def _global(self, tree):
         """Host arrays (the same on every host) as global arrays over the update's mesh."""
         return tree if self.mesh is None else distributed.global_batch(tree, self.mesh)
+
+
+def warn_if_rows_replicated(rows: int, mesh, cfg) -> bool:
+    """Warns when an update's rows cannot be split over every device of the batch's axes.
+
+    A mesh axis that does not divide the rows is dropped from their sharding
+    (`sharding.logical_to_spec`): each device then holds, and computes on, the rows of all
+    devices along it. On 2 x v5litepod-64 (data 2 x fsdp 64) a microbatch of 64 rows asked for
+    28.72 GiB of temporaries per chip, against 7.50 GiB at 128. Returns whether it warned.
+    """
+    entry = dict(cfg.mesh.rules).get("batch")
+    axes = (entry,) if isinstance(entry, str) else tuple(entry or ())
+    devices = math.prod(mesh.shape[a] for a in axes if a in mesh.shape)
+    if rows % devices == 0:
+        return False
+    log.warning(
+        "An update's %d rows (train.microbatch_size, or minibatch_size without accumulation) "
+        "do not split over the %d devices of the batch's mesh axes %s: the axes that do not "
+        "divide them are replicated, and each device holds their rows. Use a multiple of %d.",
+        rows,
+        devices,
+        axes,
+        devices,
+    )
+    return True

@@ -26,7 +26,7 @@ results or on the held-out games):
     makes RLOO and the tree estimate different length-normalised objectives (see
     `bpo_jax/estimators/kernels.py`); `path_mass` (the `pathmass` ablation) estimates grad J.
 
-STATUS (2026-12-02): RUNNING, resumable: bc/shared, bpo/seed_0, grpo/seed_0 done (records in
+STATUS (2026-12-02): RUNNING, resumable: bc/shared and seed 0 (bpo, grpo, rloo) done (records in
 results/alfworld_cpu/, progress in docs/results.md). The start policy is chosen (below), on the 55
 development games held out of the training games (`env.dev_fraction=0.3`), never on the tables'
 games (docs/start_policy.md):

@@ -58,7 +58,7 @@ import jax
 import numpy as np
 
 from bpo_jax import distributed
-from bpo_jax.policy import action_samples, batch_bucket
+from bpo_jax.policy import action_samples, batch_bucket, check_prompts_fit, check_rows
 from bpo_jax.sampler.tokens import typed_key
 
 log = logging.getLogger(__name__)
@@ -260,12 +260,7 @@ class LockstepPolicy:
         """Nothing kept: there is no prefix cache."""
 
     def prefill(self, prompts: list[list[int]]) -> SliceContext:
-        for i, p in enumerate(prompts):
-            if len(p) + self.max_new_tokens > self.cache_len:
-                raise ValueError(
-                    f"Prompt {i} has {len(p)} tokens; with {self.max_new_tokens} action "
-                    f"tokens it exceeds the cache length {self.cache_len}."
-                )
+        check_prompts_fit(prompts, self.max_new_tokens, self.cache_len)
         prompts = [[int(t) for t in p] for p in prompts]
         context, offset = self._channel.call(
             Request("prefill", prompts=tuple(tuple(p) for p in prompts))
@@ -290,8 +285,7 @@ class LockstepPolicy:
         rows = every if rows is None else [int(r) for r in rows]
         if not rows:
             return []
-        if min(rows) < 0 or max(rows) >= ctx.size:
-            raise ValueError(f"rows must index the {ctx.size} prompts, got {rows}.")
+        check_rows(rows, ctx.size)
         out = self._channel.call(
             Request(
                 "sample",

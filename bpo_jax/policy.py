@@ -77,6 +77,22 @@ def batch_bucket(n: int, minimum: int = 8) -> int:
     return b
 
 
+def check_prompts_fit(prompts, max_new_tokens: int, cache_len: int) -> None:
+    """Raises ValueError naming the first prompt that leaves no room for an action."""
+    for i, p in enumerate(prompts):
+        if len(p) + max_new_tokens > cache_len:
+            raise ValueError(
+                f"Prompt {i} has {len(p)} tokens; with {max_new_tokens} action "
+                f"tokens it exceeds the cache length {cache_len}."
+            )
+
+
+def check_rows(rows, size: int) -> None:
+    """Raises ValueError unless every entry of `rows` (non-empty) indexes one of `size` prompts."""
+    if min(rows) < 0 or max(rows) >= size:
+        raise ValueError(f"rows must index the {size} prompts, got {rows}.")
+
+
 class Policy:
     """Samples actions for a batch of prompts with the current parameters.
 
@@ -182,12 +198,7 @@ class Policy:
 
     def _prefill(self, prompts: list[list[int]]) -> PolicyContext:
         n = len(prompts)
-        for i, p in enumerate(prompts):
-            if len(p) + self.max_new_tokens > self.cache_len:
-                raise ValueError(
-                    f"Prompt {i} has {len(p)} tokens; with {self.max_new_tokens} action "
-                    f"tokens it exceeds the cache length {self.cache_len}."
-                )
+        check_prompts_fit(prompts, self.max_new_tokens, self.cache_len)
         batch = batch_bucket(n)
         rows = list(prompts) + [[self.tokenizer.pad_id]] * (batch - n)
         if self.prefixes is not None:
@@ -236,8 +247,7 @@ class Policy:
             n = len(rows)
             if n == 0:
                 return []
-            if min(rows) < 0 or max(rows) >= ctx.size:
-                raise ValueError(f"rows must index the {ctx.size} prompts, got {rows}.")
+            check_rows(rows, ctx.size)
             batch = batch_bucket(n)
             state = self.sampler.fork(ctx.state, list(rows) + [rows[0]] * (batch - n))
         out = self.sampler.generate(

@@ -298,3 +298,14 @@ def test_host_sampling_is_refused_on_multi_host_v5e_and_v6e_slices():
         check_host_sampling(_Mesh(kind, hosts=1))  # one host: its chips are the slice
     check_host_sampling(_Mesh("TPU v5p", hosts=2))
     check_host_sampling(_Mesh("cpu", hosts=2))
+
+
+def test_prompt_and_row_checks_shared_by_both_policies():
+    from bpo_jax.policy import check_prompts_fit, check_rows
+
+    check_prompts_fit([[1] * 48], max_new_tokens=16, cache_len=64)
+    with pytest.raises(ValueError, match="Prompt 1 has 49 tokens"):
+        check_prompts_fit([[1], [1] * 49], max_new_tokens=16, cache_len=64)
+    check_rows([0, 2, 2], size=3)
+    with pytest.raises(ValueError, match="rows must index the 3 prompts"):
+        check_rows([0, 3], size=3)

@@ -92,8 +92,15 @@ def grad_norm_variance(groups: Mapping[str, list[RunRecord]], path: Path) -> boo
 
 
 def histograms(
-    data: Mapping[str, list[float]], xlabel: str, path: Path, bins=20, mark: float | None = None
+    data: Mapping[str, list[float]],
+    xlabel: str,
+    path: Path,
+    bins=20,
+    mark: float | None = None,
+    ylabel: str = "batches",
+    integer: bool = False,
 ) -> bool:
+    """One histogram per group, overlaid; `integer` gives each whole number its own bin."""
     data = {k: v for k, v in data.items() if v}
     if not data:
         return False
@@ -101,13 +108,16 @@ def histograms(
     fig, ax = plt.subplots(figsize=(5, 3.5))
     lo = min(min(v) for v in data.values())
     hi = max(max(v) for v in data.values())
-    edges = np.linspace(lo, hi if hi > lo else lo + 1, bins + 1)
+    if integer:
+        edges = np.arange(np.floor(lo), np.floor(hi) + 2) - 0.5
+    else:
+        edges = np.linspace(lo, hi if hi > lo else lo + 1, bins + 1)
     for name, v in data.items():
         ax.hist(v, bins=edges, alpha=0.5, label=name)
     if mark is not None:
         ax.axvline(mark, color="black", linestyle="--", linewidth=1)
     ax.set_xlabel(xlabel)
-    ax.set_ylabel("batches")
+    ax.set_ylabel(ylabel)
     ax.legend()
     _save(fig, path)
     return True
@@ -171,8 +181,18 @@ def write_figures(
         "Branch points per batch",
         "no run recorded branch points (train/branch_points)",
     )
-    written["note:branch_steps"] = (
-        "branch_steps.png not drawn: the records do not hold the step index of each branch "
-        "point (only their count per batch)."
+    steps = {n: [t for r in g for t in r.branch_steps()] for n, g in groups.items()}
+    add(
+        histograms(
+            steps,
+            "step of the branch point (environment steps from the root)",
+            out / "branch_steps.png",
+            ylabel="branch points",
+            integer=True,
+        ),
+        "branch_steps.png",
+        "Branch points by step",
+        "no record holds the step of its branch points (train/branch_step/<t>, written since "
+        "2026-12-02)",
     )
     return written

@@ -22,6 +22,8 @@ from bpo_jax.metrics import METRICS_FILE, read_metrics
 _SEED_DIR = re.compile(r"seed_\d+")
 BC_FOLDER = "bc"  # Where a sweep keeps its behaviour-cloning starts (`bpo_jax.sweep.BC_GROUP`).
 _ITER = re.compile(r"iter_(\d+)")
+# Per RL iteration, `<BRANCH_STEP_PREFIX><t>` counts the batch's branch points at step t.
+BRANCH_STEP_PREFIX = "train/branch_step/"
 
 
 @dataclasses.dataclass
@@ -158,6 +160,16 @@ class RunRecord:
     def series(self, key: str) -> list[float]:
         """The values of metric `key`, in file order."""
         return [float(m[key]) for m in self.metrics if key in m]
+
+    def branch_steps(self) -> list[int]:
+        """The step of every branch point of the run, all iterations pooled (empty for records
+        written before the per-step counts were)."""
+        out: list[int] = []
+        for m in self.metrics:
+            for key, n in m.items():
+                if key.startswith(BRANCH_STEP_PREFIX):
+                    out += [int(key[len(BRANCH_STEP_PREFIX) :])] * int(n)
+        return out
 
 
 def _load_json(path: epath.Path):

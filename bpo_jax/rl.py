@@ -11,6 +11,7 @@ enters the loss once. `learner.RLUpdater` runs the clipped policy-gradient updat
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import time
 
@@ -23,6 +24,7 @@ from bpo_jax.config import ExperimentConfig
 from bpo_jax.estimators import gae, step_advantages, tree_advantages
 from bpo_jax.forest import ForestArrays, RolloutForest
 from bpo_jax.learner import Example
+from bpo_jax.records import BRANCH_STEP_PREFIX
 from bpo_jax.rollout import TreeSpec, play_forest
 from bpo_jax.timing import CompileClock, env_floor_metrics
 
@@ -277,15 +279,36 @@ def branch_point_spreads(forest: RolloutForest) -> np.ndarray:
     return np.array([np.var(v) for v in children.values()])
 
 
+def branch_steps(forest: RolloutForest) -> list[int]:
+    """The step of every branch point, in node order: the environment steps taken on the path
+    from its root to it (its children's first actions are that step's)."""
+    roots = len(forest.task_ids)
+    ending = {seg.child: seg for seg in forest.segments if seg.child >= roots}
+    steps: dict[int, int] = {}
+
+    def step_of(node: int) -> int:
+        if node < roots:
+            return 0
+        if node not in steps:
+            seg = ending[node]
+            steps[node] = step_of(seg.parent) + len(seg.steps)
+        return steps[node]
+
+    return [step_of(node) for node in sorted(ending)]
+
+
 def branch_metrics(forest: RolloutForest) -> dict:
     """Whether branch points carry signal: the share of branch points whose children's values
-    differ, and the mean spread of the children's values (`branch_point_spreads`)."""
+    differ, and the mean spread of the children's values (`branch_point_spreads`); and where
+    they are: how many at each step (`branch_steps`)."""
     spread = branch_point_spreads(forest)
     if not spread.size:
         return {}
+    at_step = collections.Counter(branch_steps(forest))
     return {
         "train/branch_points_divergent": float(np.mean(spread > 1e-12)),
         "train/branch_children_var": float(spread.mean()),
+        **{f"{BRANCH_STEP_PREFIX}{t}": n for t, n in sorted(at_step.items())},
     }
 
 

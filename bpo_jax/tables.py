@@ -19,8 +19,9 @@ The record it reads: every folder under --runs (recursively) with `config.json` 
     the success means weighted by `eval/num_episodes`.
   - `metrics.jsonl`: per RL iteration a record with `step`, `train/iteration`,
     `compute/generated_tokens`, `compute/task_cost_mean`, `train/budget_per_task`,
-    `train/branch_points`; per update `update/grad_norm`; per evaluation `eval_<name>/success`
-    at the update step it was taken at.
+    `train/branch_points` and `train/branch_step/<t>` (the batch's branch points at step t,
+    for the branch-step histogram); per update `update/grad_norm`; per evaluation
+    `eval_<name>/success` at the update step it was taken at.
   - `probe.json` (optional): {"results": {algo: {"trace_var", "norm_var", ...}}} from
     `bpo_jax.probe`; optional per-algorithm `trace_var_ratio_ci95` is used for a single probe.
 The group (row) of a run is its sweep folder (`<group>/seed_<n>`, e.g. `bpo_k4`), else

@@ -142,3 +142,28 @@ def test_branch_metrics_by_hand():
     m = branch_metrics(build_tree())
     assert m["train/branch_points_divergent"] == 1.0
     assert m["train/branch_children_var"] == pytest.approx(np.var([1.0, 0.0, 0.0]))
+    # Backbone 0 branched after its first step: the branch point is at step 1.
+    assert {k: v for k, v in m.items() if k.startswith("train/branch_step/")} == {
+        "train/branch_step/1": 1
+    }
+
+
+def test_branch_steps_of_nested_branch_points():
+    from bpo_jax.rl import branch_steps
+
+    # Task 0's backbone branches after 2 steps (node A); one of A's children branches again
+    # after 1 more step (node B, step 3). Task 1's backbone branches at its start (step 0).
+    b = ForestBuilder(num_tasks=2)
+    p, q = b.start_path(0), b.start_path(1)
+    b.record(p, step())
+    b.record(p, step())
+    (c,) = b.branch(p, 1)
+    b.record(c, step())
+    (d,) = b.branch(c, 1)
+    (e,) = b.branch(q, 1)
+    for path in (p, c, d, q, e):
+        b.record(path, step())
+        b.finish(path, {})
+    forest = b.build(["t0", "t1"], ComputeStats(), [1.0, 1.0])
+    assert forest.num_branch_points == 3
+    assert sorted(branch_steps(forest)) == [0, 2, 3]

@@ -32,7 +32,9 @@ def episodes(wins: int) -> tuple[list[int], list[int]]:
     return eps[0::2], eps[1::2]
 
 
-def write_run(run_dir: Path, algo: str, seed: int, wins: int, *, per_split=True, probe=None):
+def write_run(
+    run_dir: Path, algo: str, seed: int, wins: int, *, per_split=True, probe=None, steps=True
+):
     run_dir.mkdir(parents=True)
     config = {
         "seed": seed,
@@ -66,6 +68,12 @@ def write_run(run_dir: Path, algo: str, seed: int, wins: int, *, per_split=True,
                 "compute/task_cost_mean": TOKENS[algo] / TASKS_PER_ITER,
                 "train/budget_per_task": 50.0,
                 "train/branch_points": 3 if algo == "bpo" else 0,
+                # Where BPO's 3 branch points were: two at step 0, one at step 3.
+                **(
+                    {"train/branch_step/0": 2, "train/branch_step/3": 1}
+                    if steps and algo == "bpo"
+                    else {}
+                ),
             }
         )
     summary = {
@@ -164,11 +172,12 @@ def test_table1_values_by_hand(runs, tmp_path):
     )
     assert "Compute is not matched: BPO generated 0.90x RLOO's tokens per task." in md
     for png in ("success_vs_tokens", "success_vs_updates", "grad_norm_variance",
-                "spend_budget", "branch_points"):  # fmt: skip
+                "spend_budget", "branch_points", "branch_steps"):  # fmt: skip
         path = out / f"{png}.png"
         assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", png
         assert f"]({png}.png)" in md
-    assert "branch_steps.png not drawn" in md
+    run = [r for r in tables.find_runs(runs) if r.group == "bpo"][0]
+    assert run.branch_steps() == [0, 0, 3] * 4  # Four iterations' counts, pooled.
 
 
 def test_bootstrap_is_deterministic_per_seed(runs, tmp_path):
@@ -202,7 +211,7 @@ def test_todays_record_names_and_no_probe(tmp_path):
     """Plain eval names, success means only, run folders not named by a sweep."""
     root = tmp_path / "runs"
     for i, (algo, wins) in enumerate([("bpo", 6), ("bpo", 4), ("rloo", 5), ("rloo", 5)]):
-        write_run(root / f"run{i}", algo, seed=i % 2, wins=wins, per_split=False)
+        write_run(root / f"run{i}", algo, seed=i % 2, wins=wins, per_split=False, steps=False)
     out = tmp_path / "out"
     tables.write_tables(root, out)
     t1 = json.loads((out / "table1.json").read_text())
@@ -216,6 +225,8 @@ def test_todays_record_names_and_no_probe(tmp_path):
     assert t2["algorithms"] == {} and "no probe record" in t2["note"]
     md = (out / "results.md").read_text()
     assert "BPO does not beat RLOO here" in md and "no probe record" in md
+    # Records from before the per-step branch counts: the figure is missing, and says why.
+    assert "branch_steps.png not drawn: no record holds the step" in md
 
 
 def test_single_paired_seed_draws_no_conclusion(tmp_path):

@@ -136,7 +136,7 @@ def build_table1(
         raise ValueError(f"runs of several environments {envs}; point --runs at one sweep.")
     splits = common_splits(runs, splits)
     groups = group_runs(runs)
-    algorithms, extra = {}, {"iqm_ci95": {}, "curves": {}}
+    algorithms, extra = {}, {"iqm_ci95": {}, "curves": {}, "iqm_degenerate": []}
     episode_counts = set()
     tokens = {
         name: [t for r in g if (t := r.generated_per_task()) is not None]
@@ -170,6 +170,11 @@ def build_table1(
             )
         )
         extra["curves"][name] = success_curve(g, splits)
+        # The middle half of 0/1 outcomes is all losses below a quarter won (all wins above
+        # three quarters): the IQM is then 0 (1) whatever the success rate.
+        if np.isin(pooled, (0.0, 1.0)).all() and 0 < pooled.mean() < 1:
+            if algorithms[name]["iqm"] in (0.0, 1.0):
+                extra["iqm_degenerate"].append(name)
     others = [n for n in algorithms if n != reference]
     best = max(others, key=lambda n: algorithms[n]["mean"]) if others else None
     extra["best_baseline"] = best
@@ -327,6 +332,13 @@ def results_markdown(
             f"{a['ci95'][1]:.3f}] | {a['iqm']:.3f} [{iqm_ci[0]:.3f}, {iqm_ci[1]:.3f}] | "
             f"{spend} | {upd} |"
         )
+    if extra["iqm_degenerate"]:
+        lines += [
+            "",
+            f"The IQM of {', '.join(extra['iqm_degenerate'])} is 0 or 1 by construction: its "
+            "episodes score 0 or 1, and with under a quarter (over three quarters) of them won "
+            "the middle half holds only losses (wins). Read the mean and its CI.",
+        ]
     lines += ["", "## Paired differences against " + ref.upper(), ""]
     if not t1["paired"]:
         lines.append(f"No paired comparison: no {ref} runs, or no seed shared with them.")

@@ -238,6 +238,19 @@ def test_single_paired_seed_draws_no_conclusion(tmp_path):
     assert "beats" not in md
 
 
+def test_iqm_of_rare_wins_is_flagged(runs, tmp_path):
+    """Under a quarter of 0/1 episodes won: the IQM is 0 whatever the rate, and results.md
+    says so; the by-hand fixture (over half won) gets no such note."""
+    for algo, seed in (("bpo", 0), ("bpo", 1), ("rloo", 0), ("rloo", 1)):
+        write_run(tmp_path / "rare" / algo / f"seed_{seed}", algo, seed, wins=1 + seed)
+    t1 = tables.write_tables(tmp_path / "rare", tmp_path / "out")["table1"]
+    assert t1["algorithms"]["bpo"]["iqm"] == 0.0 and t1["algorithms"]["bpo"]["mean"] == 0.1875
+    md = (tmp_path / "out/results.md").read_text()
+    assert "The IQM of bpo, rloo is 0 or 1 by construction" in md
+    tables.write_tables(runs, tmp_path / "fixture")
+    assert "by construction" not in (tmp_path / "fixture/results.md").read_text()
+
+
 def test_duplicate_seed_is_an_error(tmp_path):
     write_run(tmp_path / "a", "bpo", 0, 4)
     write_run(tmp_path / "b", "bpo", 0, 5)

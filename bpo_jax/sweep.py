@@ -35,7 +35,10 @@ retries failed runs. One sweep at a time holds a folder (`<workdir>/.sweep.lock`
 
 `--commit_to=PATH` copies each finished run's small record (config.json, summary.json,
 evals.json, metrics.jsonl, and probe.json where present) into `PATH/<run name>/` as soon as it
-finishes, for committing while the sweep goes on.
+finishes, for committing while the sweep goes on. A run whose committed record is finished counts
+as finished even where its workdir is gone (a sweep resumed on a fresh machine), except a
+behaviour-cloning start that a pending run still needs: its checkpoint is not in the record, so
+it runs again (it is deterministic: on 2026-12-02 `bc/shared` re-ran bit for bit).
 """
 
 from __future__ import annotations
@@ -396,20 +399,35 @@ def _execute(runs, workdir, sweep_path, parallel, commit_to, module, out) -> dic
     def line(run: Run, text: str) -> None:
         print(f"[{done_count}/{total}] {run.name}: {text}", file=out, flush=True)
 
+    iterations = {run.name: int(resolve_config(run).train.iterations) for run in runs}
+    here = {r.name for r in runs if is_finished(workdir / r.name, iterations[r.name])}
+    committed = set()
+    if commit_to:  # Finished on another machine: its record is committed, its workdir is gone.
+        committed = {
+            r.name
+            for r in runs
+            if r.name not in here and is_finished(Path(commit_to) / r.name, iterations[r.name])
+        }
+        # A start's record is not its checkpoint: it runs again while a run still needs it.
+        needed = {r.init_from for r in runs if r.name not in here | committed and r.init_from}
+        committed -= needed
     pending = []
     for run in runs:
-        iterations = int(resolve_config(run).train.iterations)
-        if is_finished(workdir / run.name, iterations):
+        n = iterations[run.name]
+        if run.name in here or run.name in committed:
             done_count += 1
             statuses[run.name] = "done"
             manifest.update(
                 run.name, status="done", returncode=manifest.entries[run.name]["returncode"]
             )
+            if run.name in committed:
+                line(run, f"finished earlier ({n} iterations; record in {commit_to}), skipped")
+                continue
             if commit_to:
                 commit_record(workdir / run.name, Path(commit_to) / run.name)
-            line(run, f"finished earlier ({iterations} iterations), skipped")
+            line(run, f"finished earlier ({n} iterations), skipped")
         else:
-            pending.append((run, iterations))
+            pending.append((run, n))
     running: dict[str, tuple[Run, int, subprocess.Popen, Any, float]] = {}
     try:
         while pending or running:

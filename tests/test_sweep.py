@@ -5,6 +5,7 @@ import fcntl
 import io
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -345,6 +346,35 @@ def test_bc_once_starts_every_seed_from_one_policy_and_evals_are_shared(setup, t
         assert cfg["init_from"] == str(workdir / "bc/shared")
         assert cfg["eval"]["cache_dir"] == str(workdir / "eval_cache")
     assert {json.loads((workdir / n / "config.json").read_text())["seed"] for n in NAMES} == {0, 1}
+
+
+def test_a_fresh_machine_skips_committed_runs_and_reruns_a_needed_start(setup, tmp_path):
+    sweep_file = setup(shared_bc=True, extra="bc_once=True, share_evals=True,")
+    records = tmp_path / "records"
+    first = sweep_lib.run_sweep(
+        sweep_file, tmp_path / "a", module="fake_main", commit_to=records, out=io.StringIO()
+    )
+    assert set(first.values()) == {"done"}
+    # Every record committed: a fresh workdir runs nothing, not even the start.
+    out = io.StringIO()
+    statuses = sweep_lib.run_sweep(
+        sweep_file, tmp_path / "b", module="fake_main", commit_to=records, out=out
+    )
+    assert set(statuses.values()) == {"done"}
+    assert not any((tmp_path / "b" / n).exists() for n in ["bc/shared", *NAMES])
+    assert f"grpo/seed_1: finished earlier (3 iterations; record in {records}), skipped" in (
+        out.getvalue()
+    )
+    # One run's record missing: the start runs again (its checkpoint is not in the record),
+    # then that run; the others stay skipped.
+    shutil.rmtree(records / "grpo/seed_1")
+    statuses = sweep_lib.run_sweep(
+        sweep_file, tmp_path / "c", module="fake_main", commit_to=records, out=io.StringIO()
+    )
+    assert set(statuses.values()) == {"done"}
+    ran = {n for n in ["bc/shared", *NAMES] if (tmp_path / "c" / n / "invocations.txt").exists()}
+    assert ran == {"bc/shared", "grpo/seed_1"}
+    assert (records / "grpo/seed_1/summary.json").is_file()
 
 
 def test_bc_once_and_share_evals_are_checked(setup, tmp_path):

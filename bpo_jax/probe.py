@@ -73,10 +73,13 @@ def make_grad_fn(graphdef, temperature: float, loss_agg: str):
 
 
 def batch_gradient(grad_fn, logprob_fn, params, examples, cfg: ExperimentConfig, pad_id: int):
-    """The gradient of the loss over all `examples` as one token-weighted mean.
+    """The gradient of the loss over all `examples` as one token-weighted mean; None where it
+    is exactly zero (no examples, or every advantage 0).
 
     Chunks of `train.minibatch_size` are combined with weights (their share of the total token
-    weight), which equals a single batch's token-mean gradient.
+    weight), which equals a single batch's token-mean gradient. At ratio 1 a chunk whose
+    advantages are all 0 has a zero gradient: only its token weight is counted, on the host
+    (most of a sparse-reward batch's tasks won nothing; their gradients cost nothing).
     """
     size = cfg.train.minibatch_size
     total, acc = 0.0, None
@@ -92,6 +95,10 @@ def batch_gradient(grad_fn, logprob_fn, params, examples, cfg: ExperimentConfig,
             advantages=[e.advantage for e in chunk],
             weights=[e.weight for e in chunk],
         )
+        if all(e.advantage == 0.0 for e in chunk):
+            # `grad_fn`'s denominator, without the model.
+            total += float(np.sum(batch.loss_mask * np.asarray(batch.weights)[:, None]))
+            continue
         old, _ = logprob_fn(params, batch.tokens)  # Ratio 1: the behaviour policy is params.
         batch = dataclasses.replace(batch, old_logprobs=np.asarray(old) * batch.loss_mask)
         grads, den = grad_fn(params, batch)
@@ -160,7 +167,7 @@ class ModelGradients:
             g = batch_gradient(
                 self.grad_fn, self.logprob_fn, self.params, examples, cfg, self.pad_id
             )
-            if g is None:  # A task whose steps generated nothing contributes a zero gradient.
+            if g is None:  # Nothing generated, or no advantage: an exactly zero gradient.
                 rows.append(np.zeros(self.dim))
                 continue
             rows.append(count_sketch(g, self.dim))

@@ -133,3 +133,74 @@ def test_count_sketch_preserves_inner_products():
     assert big @ big == pytest.approx(flat[0] @ flat[0], rel=0.05)
     k = stats.gram(np.stack([probe.count_sketch(t, 2**14, 3) for t in (x, y)]))
     assert k[0, 1] == pytest.approx(exact, rel=0.1)
+
+
+def test_zero_advantage_chunks_are_skipped_and_the_gradient_is_unchanged():
+    """A chunk whose advantages are all 0 contributes only its token weight: the gradient
+    equals the one computed through the model for every chunk, and the model is not called."""
+    import types
+
+    from flax import nnx
+
+    from bpo_jax import learner
+    from bpo_jax.models.config import tiny
+    from bpo_jax.models.llama import Transformer
+
+    mcfg = tiny(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2,
+                num_heads=2, num_kv_heads=1, max_seq_len=64)  # fmt: skip
+    graphdef, params = nnx.split(Transformer(mcfg, rngs=nnx.Rngs(0)))
+    grad_fn = probe.make_grad_fn(graphdef, 1.0, "token_mean")
+    logprob_fn = learner.make_logprob_fn(graphdef, 1.0)
+    calls = []
+
+    def counting(fn):
+        def wrapped(*args):
+            calls.append(fn)
+            return fn(*args)
+
+        return wrapped
+
+    cfg = types.SimpleNamespace(
+        train=types.SimpleNamespace(minibatch_size=2),
+        sampler=types.SimpleNamespace(length_bucket=8),
+    )
+    rng = np.random.default_rng(0)
+
+    def example(adv, weight):
+        n = int(rng.integers(4, 12))
+        return learner.Example(list(rng.integers(1, 64, size=n)), n // 2, adv, weight)
+
+    # Chunks of 2: (0, 0) skipped, (1.5, 0) computed, (0, 0) skipped, (-1, 0) computed.
+    examples = [example(a, w) for a, w in zip([0, 0, 1.5, 0, 0, 0, -1.0, 0], [1, 0.5] * 4)]
+    got = probe.batch_gradient(
+        counting(grad_fn), counting(logprob_fn), params, examples, cfg, pad_id=0
+    )
+    assert len(calls) == 4  # Two chunks, a log-prob and a gradient call each.
+
+    # By hand: every chunk through the model, weighted by its token weight.
+    acc, total = None, 0.0
+    for i in range(0, len(examples), 2):
+        chunk = examples[i : i + 2]
+        length = learner.round_up(max(len(e.tokens) for e in chunk), 8)
+        batch = learner.pad_batch(
+            [e.tokens for e in chunk], [e.action_start for e in chunk], batch_size=2,
+            length=length, pad_id=0, advantages=[e.advantage for e in chunk],
+            weights=[e.weight for e in chunk],
+        )  # fmt: skip
+        old, _ = logprob_fn(params, batch.tokens)
+        batch = dataclasses.replace(batch, old_logprobs=np.asarray(old) * batch.loss_mask)
+        g, den = grad_fn(params, batch)
+        acc = (
+            jax.tree.map(lambda x, d=float(den): x * d, g)
+            if acc is None
+            else jax.tree.map(lambda a, x, d=float(den): a + x * d, acc, g)
+        )
+        total += float(den)
+    want = jax.tree.map(lambda x: x / total, acc)
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-8)
+    # No advantage anywhere: an exactly zero gradient, and no model call.
+    calls.clear()
+    zero = [example(0.0, 1.0) for _ in range(3)]
+    assert probe.batch_gradient(grad_fn, counting(logprob_fn), params, zero, cfg, 0) is None
+    assert not calls

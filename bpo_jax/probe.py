@@ -30,8 +30,12 @@ M = 64 batches by default: with M = 6, 95% of estimates of a true ratio of 1.34 
       --algos=rloo,bpo --batches=64
 
 reads the run's latest checkpoint (the policy after BC/RL), writes `probe.json` in the workdir
-and the `probe/*` ratios into its metrics. `run_probe` takes any policy and gradient function:
-tests/test_probe.py runs it on the tabular MDPs with an exact softmax-table gradient.
+and the `probe/*` ratios into its metrics. A workdir without a checkpoint probes the run that
+`--config.init_from` names (a sweep's probe of its behaviour-cloning start, `Sweep.probe`), and
+gets the probe's `config.json` (the record `bpo_jax.tables` reads the seed from).
+
+`run_probe` takes any policy and gradient function: tests/test_probe.py runs it on the tabular
+MDPs with an exact softmax-table gradient.
 """
 
 from __future__ import annotations
@@ -370,13 +374,26 @@ def main(argv):
     train_tasks, _ = builders.select_tasks(cfg)
     tasks = train_tasks[: cfg.train.tasks_per_iter]
     mesh = sharding.make_mesh(cfg.mesh.axes, dcn_data=cfg.mesh.dcn_data)
+    # The policy probed: the workdir's own run, else (a sweep's probe of its start, in a folder
+    # of its own) the run `init_from` names.
+    source = workdir
+    if not (workdir / "checkpoints").is_dir() and cfg.init_from:
+        source = files.as_path(cfg.init_from)
+    workdir.mkdir(parents=True, exist_ok=True)
+    if not (workdir / "config.json").exists():
+        files.write_text(
+            workdir / "config.json", json.dumps(f.config.to_dict(), indent=2, default=str)
+        )
     with builders.make_pool(cfg) as pool, jax.set_mesh(mesh), sharding.axis_rules(cfg.mesh.rules):
-        tokenizer = builders.build_tokenizer(cfg, workdir, demos=[])
+        if not (cfg.model.tokenizer or cfg.model.hf_checkpoint):
+            if not (source / "tokenizer.model").exists():
+                raise FileNotFoundError(f"No tokenizer.model in {source}: train first.")
+        tokenizer = builders.build_tokenizer(cfg, source, demos=[])
         mcfg, model = builders.build_model(cfg, tokenizer, mesh)
         graphdef, params = nnx.split(model)
-        ckpt = Checkpointer(workdir / "checkpoints")
+        ckpt = Checkpointer(source / "checkpoints")
         if ckpt.latest_step() is None:
-            raise FileNotFoundError(f"No checkpoint in {workdir / 'checkpoints'}: train first.")
+            raise FileNotFoundError(f"No checkpoint in {source / 'checkpoints'}: train first.")
         # The run's own state layout (critic and KL reference included), restored as it was saved.
         critic = builders.make_critic(cfg, graphdef, mcfg.hidden_size, tokenizer.pad_id)
         optimizer = learner.make_optimizer(1.0, 0.0, 0.9, 0.999, cfg.train.grad_clip)

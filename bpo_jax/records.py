@@ -199,6 +199,28 @@ def read_run(run_dir: str | os.PathLike) -> RunRecord:
     )
 
 
+@dataclasses.dataclass
+class ProbeRecord:
+    """A gradient-variance probe's result (`probe.json`) and the seed of its config."""
+
+    path: epath.Path
+    seed: int
+    probe: dict
+
+
+def find_probes(root: str | os.PathLike) -> list[ProbeRecord]:
+    """Every probe under `root` (recursively): folders with `probe.json` and `config.json`,
+    runs' own and a sweep's probes of its starts (`probe/shared`) alike; sorted by path."""
+    root = files.as_path(root)
+    return [
+        ProbeRecord(
+            p.parent, int(_load_json(p.parent / "config.json").get("seed", 0)), _load_json(p)
+        )  # fmt: skip
+        for p in sorted(files.iter_files(root), key=str)
+        if p.name == "probe.json" and (p.parent / "config.json").is_file()
+    ]
+
+
 def find_runs(root: str | os.PathLike) -> list[RunRecord]:
     """Every run record under `root` (recursively), sorted by group and seed.
 

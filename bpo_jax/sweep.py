@@ -21,6 +21,11 @@ cloning run, `bc/shared` (at the first seed), is the start of every run of every
 pretrained checkpoint is in the paper's setting: seeds then vary RL alone. A run whose start
 failed is marked failed.
 
+With `Sweep.probe` (and shared_bc), the gradient-variance probe (`bpo_jax.probe`) of each start
+runs as soon as the start is done, as `probe/shared` (or `probe/seed_<n>`): every algorithm's
+gradient at the same parameters, matched spend, `probe.json` for Table 2. It is finished when its
+probe.json exists.
+
 With `Sweep.share_evals`, every run gets `--config.eval.cache_dir=<workdir>/eval_cache`: an
 evaluation of exactly the same episodes is played once for the sweep (`bpo_jax.eval_cache`;
 e.g. the before-RL evaluations of the algorithms of a seed, which share their start).
@@ -86,6 +91,20 @@ class Ablation:
 
 
 @dataclasses.dataclass(frozen=True)
+class Probe:
+    """The gradient-variance probe (`bpo_jax.probe`) of a sweep's start policy: every
+    algorithm's gradient at the same parameters, the first algorithm the reference.
+
+    Attributes:
+      algos: the algorithms probed; the first is the reference (RLOO: no std normalisation).
+      batches: recorded rollout batches per algorithm.
+    """
+
+    algos: tuple[str, ...] = ("rloo", "bpo")
+    batches: int = 64
+
+
+@dataclasses.dataclass(frozen=True)
 class Sweep:
     """What a sweep file's `get_sweep()` returns.
 
@@ -101,6 +120,8 @@ class Sweep:
       bc_once: with shared_bc, one behaviour cloning run (`bc/shared`, at the first seed) starts
         every run of every seed.
       share_evals: runs share evaluation results (`eval.cache_dir` in the sweep's folder).
+      probe: with shared_bc, the probe of each start (`probe/shared`, or `probe/seed_<n>`),
+        run as soon as its start is done; its `probe.json` is Table 2's record.
     """
 
     config: str
@@ -111,6 +132,7 @@ class Sweep:
     shared_bc: bool = False
     bc_once: bool = False
     share_evals: bool = False
+    probe: Probe | None = None
 
 
 # The shared behaviour-cloning run of a seed trains no RL iterations, and its own evaluations
@@ -120,6 +142,7 @@ BC_OVERRIDES = {"train.iterations": 0, "env.eval_split": "train", "eval.num_task
 BC_GROUP = "bc"
 BC_SHARED = f"{BC_GROUP}/shared"  # The one start of a `bc_once` sweep.
 EVAL_CACHE = "eval_cache"  # The sweep folder's shared evaluations (`share_evals`).
+PROBE_GROUP = "probe"  # The probes of the starts (`Sweep.probe`).
 
 
 @dataclasses.dataclass(frozen=True)
@@ -134,9 +157,17 @@ class Run:
     overrides: tuple[str, ...]  # --config.<field>=<value> flags.
     init_from: str = ""  # Name of the run (in the same sweep) whose policy RL starts from.
     share_evals: bool = False  # Evaluations go through the sweep's cache (`EVAL_CACHE`).
+    probe_flags: tuple[str, ...] = ()  # Set for a probe (`bpo_jax.probe`), not a main job.
 
-    def command(self, workdir: Path, module: str = "bpo_jax.main") -> list[str]:
+    @property
+    def is_probe(self) -> bool:
+        return bool(self.probe_flags)
+
+    def command(
+        self, workdir: Path, module: str = "bpo_jax.main", probe_module: str = "bpo_jax.probe"
+    ) -> list[str]:
         run_dir = workdir / self.name
+        module = probe_module if self.is_probe else module
         init = [f"--config.init_from={workdir / self.init_from}"] if self.init_from else []
         if self.share_evals:
             init.append(f"--config.eval.cache_dir={workdir / EVAL_CACHE}")
@@ -148,6 +179,7 @@ class Run:
             f"--workdir={run_dir}",
             *self.overrides,
             *init,
+            *self.probe_flags,
         ]
 
 
@@ -187,14 +219,20 @@ def expand(sweep: Sweep) -> list[Run]:
                 f"that the sweep does not run ({sweep.algos})."
             )
     sets = [("", {}, ())] + [(ab.name, dict(ab.overrides), ab.algos) for ab in sweep.ablations]
-    if sweep.shared_bc and BC_GROUP in sweep.algos:
-        raise ValueError(f"with shared_bc the run group {BC_GROUP!r} is the sweep's own.")
+    for own in (BC_GROUP, PROBE_GROUP):
+        if sweep.shared_bc and own in sweep.algos:
+            raise ValueError(f"with shared_bc the run group {own!r} is the sweep's own.")
     if "init_from" in sweep.overrides:
         raise ValueError("overrides must not set init_from; use Sweep.shared_bc.")
     if sweep.bc_once and not sweep.shared_bc:
         raise ValueError("Sweep.bc_once needs shared_bc=True (it says how the start is shared).")
     if sweep.share_evals and "eval.cache_dir" in sweep.overrides:
         raise ValueError("overrides must not set eval.cache_dir; share_evals sets the sweep's.")
+    if sweep.probe is not None:
+        if not sweep.shared_bc:
+            raise ValueError("Sweep.probe needs shared_bc=True: it probes the shared start.")
+        if not sweep.probe.algos or sweep.probe.batches < 2:
+            raise ValueError(f"Sweep.probe needs algorithms and >= 2 batches: {sweep.probe}.")
     runs, names = [], set()
     shares = sweep.share_evals
 
@@ -205,13 +243,26 @@ def expand(sweep: Sweep) -> list[Run]:
         names.add(name)
         return Run(name, BC_GROUP, int(seed), "", config, flags_, share_evals=shares)
 
+    def probe_run(start: str, seed: int) -> Run:
+        fields = {**dict(sweep.overrides), "seed": int(seed)}
+        flags_ = tuple(f"--config.{k}={format_value(v)}" for k, v in fields.items())
+        config = f"{path}:{variants + ',' if variants else ''}algo={sweep.algos[0]}"
+        name = f"{PROBE_GROUP}/{start.split('/', 1)[1]}"
+        probe = (f"--algos={','.join(sweep.probe.algos)}", f"--batches={sweep.probe.batches}")
+        names.add(name)
+        return Run(name, PROBE_GROUP, int(seed), "", config, flags_, start, probe_flags=probe)
+
     if sweep.bc_once:
         runs.append(bc_run(BC_SHARED, sweep.seeds[0]))
+        if sweep.probe is not None:
+            runs.append(probe_run(BC_SHARED, sweep.seeds[0]))
     for seed in sweep.seeds:
         bc_name = BC_SHARED if sweep.bc_once else ""
         if sweep.shared_bc and not sweep.bc_once:
             bc_name = f"{BC_GROUP}/seed_{seed}"
             runs.append(bc_run(bc_name, seed))
+            if sweep.probe is not None:
+                runs.append(probe_run(bc_name, seed))
         for algo in sweep.algos:
             for ab_name, ab_overrides, ab_algos in sets:
                 if ab_algos and algo not in ab_algos:
@@ -257,8 +308,11 @@ def resolve_config(run: Run):
     return fv.config
 
 
-def is_finished(run_dir: Path, iterations: int) -> bool:
-    """Whether the run in `run_dir` has written its summary after `iterations` iterations."""
+def is_finished(run_dir: Path, iterations: int, probe: bool = False) -> bool:
+    """Whether the run in `run_dir` has written its summary after `iterations` iterations (a
+    probe: its probe.json)."""
+    if probe:
+        return (run_dir / "probe.json").is_file()
     path = run_dir / "summary.json"
     if not path.is_file():
         return False
@@ -351,6 +405,7 @@ def run_sweep(
     dry_run: bool = False,
     commit_to: str | Path | None = None,
     module: str = "bpo_jax.main",
+    probe_module: str = "bpo_jax.probe",
     out=None,
 ) -> dict[str, str]:
     """Runs (or resumes) the sweep; returns run name -> final status.
@@ -366,11 +421,13 @@ def run_sweep(
     if dry_run:
         for run in runs:
             resolve_config(run)  # A bad override fails here, not hours into the sweep.
-            print(shlex.join(run.command(workdir, module)), file=out, flush=True)
+            print(shlex.join(run.command(workdir, module, probe_module)), file=out, flush=True)
         return {run.name: "dry_run" for run in runs}
     workdir.mkdir(parents=True, exist_ok=True)
     with _exclusive(workdir):
-        return _execute(runs, workdir, str(sweep_path), parallel, commit_to, module, out)
+        return _execute(
+            runs, workdir, str(sweep_path), parallel, commit_to, module, probe_module, out
+        )
 
 
 @contextlib.contextmanager
@@ -390,7 +447,9 @@ def _exclusive(workdir: Path):
             fcntl.flock(f, fcntl.LOCK_UN)
 
 
-def _execute(runs, workdir, sweep_path, parallel, commit_to, module, out) -> dict[str, str]:
+def _execute(
+    runs, workdir, sweep_path, parallel, commit_to, module, probe_module, out
+) -> dict[str, str]:
     """The body of `run_sweep`, under the sweep folder's lock."""
     manifest = Manifest(workdir, sweep_path, runs, module)
     total, done_count = len(runs), 0
@@ -399,21 +458,22 @@ def _execute(runs, workdir, sweep_path, parallel, commit_to, module, out) -> dic
     def line(run: Run, text: str) -> None:
         print(f"[{done_count}/{total}] {run.name}: {text}", file=out, flush=True)
 
-    iterations = {run.name: int(resolve_config(run).train.iterations) for run in runs}
-    here = {r.name for r in runs if is_finished(workdir / r.name, iterations[r.name])}
+    target = {run.name: int(resolve_config(run).train.iterations) for run in runs}
+
+    def finished(run: Run, folder: Path) -> bool:
+        return is_finished(folder / run.name, target[run.name], run.is_probe)
+
+    here = {r.name for r in runs if finished(r, workdir)}
     committed = set()
     if commit_to:  # Finished on another machine: its record is committed, its workdir is gone.
-        committed = {
-            r.name
-            for r in runs
-            if r.name not in here and is_finished(Path(commit_to) / r.name, iterations[r.name])
-        }
+        committed = {r.name for r in runs if r.name not in here and finished(r, Path(commit_to))}
         # A start's record is not its checkpoint: it runs again while a run still needs it.
         needed = {r.init_from for r in runs if r.name not in here | committed and r.init_from}
         committed -= needed
     pending = []
     for run in runs:
-        n = iterations[run.name]
+        n = target[run.name]
+        what = "its probe.json" if run.is_probe else f"{n} iterations"
         if run.name in here or run.name in committed:
             done_count += 1
             statuses[run.name] = "done"
@@ -421,11 +481,11 @@ def _execute(runs, workdir, sweep_path, parallel, commit_to, module, out) -> dic
                 run.name, status="done", returncode=manifest.entries[run.name]["returncode"]
             )
             if run.name in committed:
-                line(run, f"finished earlier ({n} iterations; record in {commit_to}), skipped")
+                line(run, f"finished earlier ({what}; record in {commit_to}), skipped")
                 continue
             if commit_to:
                 commit_record(workdir / run.name, Path(commit_to) / run.name)
-            line(run, f"finished earlier ({n} iterations), skipped")
+            line(run, f"finished earlier ({what}), skipped")
         else:
             pending.append((run, n))
     running: dict[str, tuple[Run, int, subprocess.Popen, Any, float]] = {}
@@ -456,7 +516,7 @@ def _execute(runs, workdir, sweep_path, parallel, commit_to, module, out) -> dic
                 run_dir = workdir / run.name
                 run_dir.mkdir(parents=True, exist_ok=True)
                 log = (run_dir / LOG).open("a", encoding="utf-8")
-                cmd = run.command(workdir, module)
+                cmd = run.command(workdir, module, probe_module)
                 log.write(f"=== {_now()} sweep starts: {shlex.join(cmd)}\n")
                 log.flush()
                 proc = subprocess.Popen(
@@ -484,8 +544,8 @@ def _execute(runs, workdir, sweep_path, parallel, commit_to, module, out) -> dic
                 del running[name]
                 log.close()
                 wall = time.time() - t0
-                finished = rc == 0 and is_finished(workdir / name, iterations)
-                status = "done" if finished else "failed"
+                done = rc == 0 and finished(run, workdir)
+                status = "done" if done else "failed"
                 done_count += 1
                 statuses[name] = status
                 manifest.update(
@@ -495,11 +555,9 @@ def _execute(runs, workdir, sweep_path, parallel, commit_to, module, out) -> dic
                     finished=_now(),
                     wall_seconds=manifest.entries[name]["wall_seconds"] + wall,
                 )
-                if finished and commit_to:
+                if done and commit_to:
                     commit_record(workdir / name, Path(commit_to) / name)
-                summary = (
-                    _summary_text(workdir / name) if finished else f"see {workdir / name / LOG}"
-                )
+                summary = _summary_text(workdir / name) if done else f"see {workdir / name / LOG}"
                 line(run, f"{status} (rc {rc}) in {wall:.0f}s; {summary}")
     except KeyboardInterrupt:
         procs = [proc for _, _, proc, _, _ in running.values()]
@@ -525,6 +583,11 @@ def _execute(runs, workdir, sweep_path, parallel, commit_to, module, out) -> dic
 
 
 def _summary_text(run_dir: Path) -> str:
+    if (run_dir / "probe.json").is_file() and not (run_dir / "summary.json").is_file():
+        results = json.loads((run_dir / "probe.json").read_text())["results"]
+        return "trace-variance ratios " + ", ".join(
+            f"{a} {r.get('trace_var_ratio', float('nan')):.3f}" for a, r in results.items()
+        )
     s = json.loads((run_dir / "summary.json").read_text())
     after = s.get("success_after_rl")
     return f"success after RL {after:.3f}" if isinstance(after, (int, float)) else "no success"

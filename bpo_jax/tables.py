@@ -24,6 +24,8 @@ The record it reads: every folder under --runs (recursively) with `config.json` 
     `eval_<name>/success` at the update step it was taken at.
   - `probe.json` (optional): {"results": {algo: {"trace_var", "norm_var", ...}}} from
     `bpo_jax.probe`; optional per-algorithm `trace_var_ratio_ci95` is used for a single probe.
+    Table 2 reads every `probe.json` under --runs beside a `config.json` (its seed): in a run's
+    folder, or a sweep's probe of its start (`probe/shared`, no summary: not a run).
 The group (row) of a run is its sweep folder (`<group>/seed_<n>`, e.g. `bpo_k4`), else
 `train.algo`.
 
@@ -55,7 +57,7 @@ import numpy as np
 from absl import app, flags
 
 from bpo_jax import stats
-from bpo_jax.records import RunRecord, find_runs
+from bpo_jax.records import ProbeRecord, RunRecord, find_probes, find_runs
 
 FINAL = "after_rl"
 
@@ -213,14 +215,14 @@ def build_table1(
 
 
 def build_table2(
-    runs: Sequence[RunRecord],
+    runs: Sequence[RunRecord | ProbeRecord],
     *,
     baseline: str = "rloo",
     seed: int = 0,
     num_resamples: int = stats.NUM_RESAMPLES,
 ) -> dict:
-    """Gradient-variance ratios against `baseline` from the runs' probe records."""
-    probes: dict[int, RunRecord] = {}
+    """Gradient-variance ratios against `baseline` from probe records (`find_probes`)."""
+    probes: dict[int, RunRecord | ProbeRecord] = {}
     notes = []
     for r in runs:
         if r.probe is None:
@@ -415,7 +417,9 @@ def write_tables(
         splits=splits,
         num_resamples=num_resamples,
     )
-    t2 = build_table2(runs, baseline=baseline, seed=seed, num_resamples=num_resamples)
+    t2 = build_table2(
+        find_probes(runs_dir), baseline=baseline, seed=seed, num_resamples=num_resamples
+    )
     written = figures.write_figures(runs, extra["curves"], out)
     (out / "table1.json").write_text(json.dumps(t1, indent=2) + "\n")
     (out / "table2.json").write_text(json.dumps(t2, indent=2) + "\n")

@@ -62,6 +62,31 @@ if __name__ == "__main__":
     app.run(main)
 """
 
+# A stand-in for bpo_jax.probe: the probe's flags; it reads the start's "checkpoint" and writes
+# the probe's config.json and probe.json.
+FAKE_PROBE = """
+import json, sys
+from pathlib import Path
+from absl import app, flags
+from ml_collections import config_flags
+config_flags.DEFINE_config_file("config", None, "", lock_config=True)
+flags.DEFINE_string("workdir", None, "")
+flags.DEFINE_string("algos", "rloo,bpo", "")
+flags.DEFINE_integer("batches", 64, "")
+def main(argv):
+    cfg, wd = flags.FLAGS.config, Path(flags.FLAGS.workdir)
+    if not (Path(cfg.init_from) / "summary.json").is_file():
+        sys.exit(f"init_from {cfg.init_from} has no summary")
+    wd.mkdir(parents=True, exist_ok=True)
+    (wd / "config.json").write_text(json.dumps(cfg.to_dict()))
+    algos = flags.FLAGS.algos.split(",")
+    results = {a: {"trace_var": 1.0 + i, "norm_var": 1.0, "trace_var_ratio": 1.0 + i,
+                   "batches": flags.FLAGS.batches} for i, a in enumerate(algos)}
+    (wd / "probe.json").write_text(json.dumps({"results": results}))
+if __name__ == "__main__":
+    app.run(main)
+"""
+
 EXPERIMENT = """
 import ml_collections
 from bpo_jax.experiment import parse_variants
@@ -88,7 +113,7 @@ def get_config(arg=None):
 """
 
 SWEEP = """
-from bpo_jax.sweep import Ablation, Sweep
+from bpo_jax.sweep import Ablation, Probe, Sweep
 
 
 def get_sweep():
@@ -115,6 +140,7 @@ NAMES = [
 def setup(tmp_path, monkeypatch):
     """Writes the stand-in module, experiment and sweep files; returns a sweep-file factory."""
     (tmp_path / "fake_main.py").write_text(FAKE_MAIN)
+    (tmp_path / "fake_probe.py").write_text(FAKE_PROBE)
     (tmp_path / "exp.py").write_text(EXPERIMENT)
     monkeypatch.setenv("PYTHONPATH", f"{tmp_path}{os.pathsep}{REPO}")
     monkeypatch.delenv("FAKE_CRASH", raising=False)
@@ -286,14 +312,18 @@ def test_second_sweep_in_the_same_folder_is_refused(setup, tmp_path):
 def test_paper_sweep_file_loads():
     sweep = sweep_lib.load_sweep(REPO / "experiments/paper/alfworld_cpu.py")
     runs = sweep_lib.expand(sweep)
-    assert len(runs) == 16  # One behaviour-cloning start for all, then 3 algorithms x 5 seeds.
-    assert [r.name for r in runs[:4]] == ["bc/shared", "bpo/seed_0", "grpo/seed_0", "rloo/seed_0"]
+    # One behaviour-cloning start for all, its probe, then 3 algorithms x 5 seeds.
+    assert len(runs) == 17
+    assert [r.name for r in runs[:5]] == [
+        "bc/shared", "probe/shared", "bpo/seed_0", "grpo/seed_0", "rloo/seed_0"
+    ]  # fmt: skip
     assert all(r.init_from == "bc/shared" for r in runs[1:]) and runs[-1].name == "rloo/seed_4"
-    assert all(r.share_evals for r in runs)
+    assert runs[1].probe_flags == ("--algos=rloo,bpo", "--batches=64")
+    assert all(r.share_evals for r in runs if not r.is_probe)
     cwd = os.getcwd()
     os.chdir(REPO)  # The sweep's config path is relative to the repository root.
     try:
-        cfg = sweep_lib.resolve_config(runs[5])
+        cfg = sweep_lib.resolve_config(runs[6])
     finally:
         os.chdir(cwd)
     assert (cfg.train.algo, cfg.seed, cfg.env.name) == ("grpo", 1, "alfworld")
@@ -375,6 +405,42 @@ def test_a_fresh_machine_skips_committed_runs_and_reruns_a_needed_start(setup, t
     ran = {n for n in ["bc/shared", *NAMES] if (tmp_path / "c" / n / "invocations.txt").exists()}
     assert ran == {"bc/shared", "grpo/seed_1"}
     assert (records / "grpo/seed_1/summary.json").is_file()
+
+
+def test_the_probe_of_the_start_runs_after_it_and_its_record_lands(setup, tmp_path):
+    from bpo_jax import tables
+
+    sweep_file = setup(
+        shared_bc=True, extra="bc_once=True, probe=Probe(algos=('rloo', 'bpo'), batches=8),"
+    )
+    workdir, records = tmp_path / "runs", tmp_path / "records"
+    runs = sweep_lib.expand(sweep_lib.load_sweep(sweep_file))
+    assert [r.name for r in runs] == ["bc/shared", "probe/shared", *NAMES]
+    cmd = runs[1].command(workdir)
+    assert cmd[2] == "bpo_jax.probe" and cmd[-2:] == ["--algos=rloo,bpo", "--batches=8"]
+    assert f"--config.init_from={workdir / 'bc/shared'}" in cmd
+    out = io.StringIO()
+    statuses = sweep_lib.run_sweep(
+        sweep_file, workdir, module="fake_main", probe_module="fake_probe", commit_to=records,
+        out=out,
+    )  # fmt: skip
+    assert set(statuses.values()) == {"done"}
+    assert "probe/shared: done (rc 0)" in out.getvalue()
+    assert "trace-variance ratios rloo 1.000, bpo 2.000" in out.getvalue()
+    probe = json.loads((records / "probe/shared/probe.json").read_text())
+    assert probe["results"]["bpo"]["batches"] == 8
+    # Table 2 reads it (a probe folder, not a run: no summary.json).
+    found = tables.find_probes(records)
+    assert [(p.path.name, p.seed) for p in found] == [("shared", 0)]
+    assert tables.build_table2(found)["algorithms"]["bpo"]["mean"] == 2.0
+    # Resumed on a fresh machine: the committed probe.json is enough; nothing runs.
+    statuses = sweep_lib.run_sweep(
+        sweep_file, tmp_path / "fresh", module="fake_main", probe_module="fake_probe",
+        commit_to=records, out=io.StringIO(),
+    )  # fmt: skip
+    assert set(statuses.values()) == {"done"} and not (tmp_path / "fresh/bc").exists()
+    with pytest.raises(ValueError, match="Sweep.probe needs shared_bc"):
+        sweep_lib.expand(sweep_lib.Sweep("x.py", ("bpo",), (0,), probe=sweep_lib.Probe()))
 
 
 def test_bc_once_and_share_evals_are_checked(setup, tmp_path):

@@ -27,9 +27,10 @@ results or on the held-out games):
     `bpo_jax/estimators/kernels.py`); `path_mass` (the `pathmass` ablation) estimates grad J.
 
 STATUS (2026-12-02): RUNNING, resumable: bc/shared and seeds 0 and 1 (bpo, grpo, rloo) done
-(records in results/alfworld_cpu/, progress in docs/results.md). The start policy is chosen (below), on the 55
-development games held out of the training games (`env.dev_fraction=0.3`), never on the tables'
-games (docs/start_policy.md):
+(records in results/alfworld_cpu/, progress in docs/results.md); the probe of the start (PROBE)
+was added after them and runs next. The start policy is chosen (below), on the 55 development
+games held out of the training games (`env.dev_fraction=0.3`), never on the tables' games
+(docs/start_policy.md):
   - search demos (the demonstrator that reads only the text), recovery examples 0.5, 2 turns of
     history, the agent's notes (`agent.notes`), numbers as one token
     (`model.tokenizer_split_digits=False`), 32 steps, 1,200 BC steps: 6 of 55 dev games greedy
@@ -52,10 +53,11 @@ The fields a reader changes:
   - `OVERRIDES["train.iterations"]` (at least 20 unless the map says otherwise) and
     `["eval.every"]`: how long, and how often the curves are sampled;
   - `SEEDS` (paired: every algorithm runs every seed), `ALGOS` (add "ppo" where time allows);
+  - `PROBE`: the probe of the start (Table 2), its algorithms and batches;
   - `ABLATIONS`: K, branch budget, selection rule, step weighting, normalisation (BPO only).
 """
 
-from bpo_jax.sweep import Ablation, Sweep
+from bpo_jax.sweep import Ablation, Probe, Sweep
 
 CONFIG = "experiments/alfworld.py:cpu"  # The experiment file and its variant (no algo=).
 ALGOS = ("bpo", "grpo", "rloo")
@@ -90,6 +92,11 @@ OVERRIDES = {
     "model.tokenizer_split_digits": False,
 }
 
+# Table 2: the gradient-variance probe of the start (`probe/shared`): 64 batches of RLOO (the
+# reference) and then of BPO at RLOO's measured spend, on the first 4 training tasks, at the
+# start's parameters (every algorithm's gradient at the same point).
+PROBE = Probe(algos=("rloo", "bpo"), batches=64)
+
 # Ablations of BPO (run names `bpo_<name>/seed_<n>`); empty until the main table is chosen, to
 # keep the CPU sweep within its hours. Examples of what goes here:
 ABLATIONS: tuple[Ablation, ...] = ()
@@ -112,4 +119,5 @@ def get_sweep() -> Sweep:
         shared_bc=True,
         bc_once=True,  # One BC start (bc/shared) for every run of every seed.
         share_evals=True,  # Identical evaluations (the start's, per seed) are played once.
+        probe=PROBE,
     )

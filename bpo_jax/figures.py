@@ -39,22 +39,29 @@ def _save(fig, path: Path) -> None:
 
 
 def success_curves(curves: Mapping[str, list[dict]], x_key: str, xlabel: str, path: Path) -> bool:
-    """Mean success over seeds at each evaluation point against `x_key`; False if no data."""
+    """Mean success over seeds at each evaluation point against `x_key`, with the points' 95%
+    CIs (`ci95`) as a band where every point has one; False if no data."""
     plt = _plt()
     fig, ax = plt.subplots(figsize=(5, 3.5))
-    drawn = False
+    drawn = banded = False
     for name, curve in curves.items():
-        pts = [(c[x_key], c["success"]) for c in curve if c[x_key] is not None]
+        pts = [c for c in curve if c[x_key] is not None]
         if len(pts) < 2:
             continue
-        xs, ys = zip(*pts, strict=True)
-        ax.plot(xs, ys, marker="o", label=name)
+        xs = [c[x_key] for c in pts]
+        (line,) = ax.plot(xs, [c["success"] for c in pts], marker="o", label=name)
+        if all(c.get("ci95") for c in pts):
+            lo, hi = zip(*(c["ci95"] for c in pts), strict=True)
+            ax.fill_between(xs, lo, hi, color=line.get_color(), alpha=0.15, linewidth=0)
+            banded = True
         drawn = True
     if not drawn:
         plt.close(fig)
         return False
     ax.set_xlabel(xlabel)
     ax.set_ylabel("success (mean over seeds)")
+    if banded:
+        ax.set_title("bands: 95% CI, episodes resampled per seed", fontsize=8)
     ax.legend()
     _save(fig, path)
     return True

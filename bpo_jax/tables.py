@@ -91,8 +91,15 @@ def group_runs(runs: Sequence[RunRecord]) -> dict[str, list[RunRecord]]:
     return out
 
 
-def success_curve(group: Sequence[RunRecord], splits: Sequence[str]) -> list[dict]:
-    """Per evaluation point every seed has: mean success, updates, iteration, tokens."""
+def success_curve(
+    group: Sequence[RunRecord],
+    splits: Sequence[str],
+    rng: np.random.Generator | None = None,
+    num_resamples: int = 2000,
+) -> list[dict]:
+    """Per evaluation point every seed has: mean success, updates, iteration, tokens; with
+    `rng` and per-episode outcomes, `ci95`: a percentile bootstrap of the mean that resamples
+    episodes within each seed and split (episode noise; the spread over seeds is Table 1's)."""
     points = [p for p in group[0].eval_points() if all(p in r.eval_points() for r in group)]
     curve = []
     for p in points:
@@ -101,6 +108,11 @@ def success_curve(group: Sequence[RunRecord], splits: Sequence[str]) -> list[dic
             continue
         updates = [r.updates_at(p) for r in group]
         tokens = [r.cumulative_tokens().get(r.iteration_of(p)) for r in group]
+        eps = [r.episodes(p, splits) for r in group]
+        ci = None
+        if rng is not None and all(e is not None for e in eps):
+            strata = [s for e in eps for s in e]
+            ci = list(stats.stratified_bootstrap_ci(strata, rng, _rows_mean, num_resamples))
         curve.append(
             {
                 "point": p,
@@ -108,9 +120,14 @@ def success_curve(group: Sequence[RunRecord], splits: Sequence[str]) -> list[dic
                 "success": float(np.mean([s[0] for s in succ])),
                 "updates": None if None in updates else float(np.mean(updates)),
                 "tokens": None if None in tokens else float(np.mean(tokens)),
+                "ci95": ci,
             }
         )
     return curve
+
+
+def _rows_mean(x: np.ndarray) -> np.ndarray:
+    return x.mean(axis=1)
 
 
 def updates_to_reach(curve: Sequence[dict], target: float) -> float | None:
@@ -171,7 +188,7 @@ def build_table1(
                 strata, rng_for(seed, f"iqm/{name}"), num_resamples=num_resamples
             )
         )
-        extra["curves"][name] = success_curve(g, splits)
+        extra["curves"][name] = success_curve(g, splits, rng_for(seed, f"curve/{name}"))
         # The middle half of 0/1 outcomes is all losses below a quarter won (all wins above
         # three quarters): the IQM is then 0 (1) whatever the success rate.
         if np.isin(pooled, (0.0, 1.0)).all() and 0 < pooled.mean() < 1:

@@ -279,3 +279,20 @@ def test_command_line(runs, tmp_path):
     assert "BPO does not beat RLOO here" in proc.stdout
     table1 = json.loads((out / "table1.json").read_text())
     assert table1["algorithms"]["bpo"]["mean"] == 0.6875 and "bc" not in table1["algorithms"]
+
+
+def test_curve_points_carry_an_episode_bootstrap_ci(runs):
+    group = [r for r in tables.find_runs(runs) if r.group == "bpo"]
+    splits = ["valid_seen", "valid_unseen"]
+    curve = tables.success_curve(group, splits, np.random.default_rng(0), num_resamples=500)
+    by_point = {c["point"]: c for c in curve}
+    assert by_point["iter_2"]["ci95"] is None  # No per-episode outcomes recorded there.
+    final = by_point["after_rl"]
+    assert final["success"] == 0.6875
+    # By hand: the 8 strata (4 seeds x 2 splits) of 4 episodes, each resampled on its own.
+    strata = [e for r in group for e in r.episodes("after_rl", splits)]
+    rng = np.random.default_rng(0)
+    pooled = np.concatenate([s[rng.integers(0, 4, size=(500, 4))] for s in strata], axis=1)
+    assert final["ci95"] == list(np.percentile(pooled.mean(axis=1), [2.5, 97.5]))
+    assert final["ci95"][0] < 0.6875 < final["ci95"][1]
+    assert tables.success_curve(group, splits)[-1]["ci95"] is None  # No rng: no CI.

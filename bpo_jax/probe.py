@@ -30,7 +30,9 @@ M = 64 batches by default: with M = 6, 95% of estimates of a true ratio of 1.34 
       --algos=rloo,bpo --batches=64
 
 reads the run's latest checkpoint (the policy after BC/RL), writes `probe.json` in the workdir
-and the `probe/*` ratios into its metrics. A workdir without a checkpoint probes the run that
+and the `probe/*` ratios into its metrics, and prints one line per recorded batch. Each recorded
+batch is kept in `probe_batches/` as it finishes (`ProbeStore`): re-running an interrupted probe
+resumes after its last batch. A workdir without a checkpoint probes the run that
 `--config.init_from` names (a sweep's probe of its behaviour-cloning start, `Sweep.probe`), and
 gets the probe's `config.json` (the record `bpo_jax.tables` reads the seed from).
 
@@ -42,7 +44,9 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import io
 import json
+import time
 
 import jax
 import jax.numpy as jnp
@@ -198,6 +202,109 @@ def _play(pool, policy, encode, tasks, cfg: ExperimentConfig, state: RolloutStat
     return forest
 
 
+class StreamedTrace:
+    """`E||g - mean g||^2` (unbiased over M) of gradients seen one at a time, kept as a running
+    sum (one parameter-sized buffer) and each gradient's squared norm. `add(None)` counts an
+    exactly zero gradient (a batch that won nothing): it is one of the M draws."""
+
+    def __init__(self, total=None, sq=()):
+        self.total, self.sq = total, list(sq)
+
+    def add(self, tree) -> None:
+        if tree is None:
+            self.sq.append(0.0)
+            return
+        leaves = [jnp.asarray(x) for x in jax.tree.leaves(tree)]
+        self.total = leaves if self.total is None else [a + b for a, b in zip(self.total, leaves)]
+        self.sq.append(float(optax.tree.norm(leaves)) ** 2)
+
+    def value(self) -> float:
+        m = len(self.sq)
+        total = 0.0 if self.total is None else float(optax.tree.norm(self.total)) ** 2
+        return float((np.mean(self.sq) - total / m**2) * m / max(m - 1, 1))
+
+
+def _npz_bytes(**arrays) -> bytes:
+    buf = io.BytesIO()
+    np.savez(buf, **arrays)
+    return buf.getvalue()
+
+
+class ProbeStore:
+    """A probe's recorded batches on disk (`ROOT/<algo>/`), so an interrupted probe resumes.
+
+    A recorded batch is written as `batch_<m>.npz` (its per-task gradient rows, task costs,
+    leaves, tokens and first-step entropies), then committed by `resume.npz`: the number of
+    batches done, the rollout state after the batch (`RolloutState.dump`) and the exact trace's
+    running sum. A batch file past the committed count was cut short and is played again. A
+    resumed probe plays the remaining batches with the same keys from the saved rollout
+    statistics; the branch rule's own random stream is not saved, so those batches are fresh
+    draws of the same procedure rather than bit-for-bit an uninterrupted run's.
+
+    `identity` (JSON data: the config, algorithms, tasks, batches, parameters' step) is written
+    once; a store holding another probe's batches is refused, naming what differs.
+    """
+
+    def __init__(self, root, identity: dict):
+        self.root = files.as_path(root)
+        identity = json.loads(json.dumps(identity, default=str))  # As it reads back.
+        path = self.root / "identity.json"
+        if path.exists():
+            held = json.loads(path.read_text())
+            if held != identity:
+                keys = sorted(
+                    k for k in held.keys() | identity.keys() if held.get(k) != identity.get(k)
+                )
+                raise ValueError(
+                    f"{self.root} holds the batches of a different probe (it differs in "
+                    f"{keys}); remove that folder to start this probe over."
+                )
+        else:
+            self.root.mkdir(parents=True, exist_ok=True)
+            files.write_text(path, json.dumps(identity, indent=2, sort_keys=True))
+
+    def load(self, algo: str) -> tuple[list[dict], dict | None, StreamedTrace]:
+        """The committed batches of `algo` (in order), the rollout state after the last one
+        (None when there are none) and the exact trace so far."""
+        path = self.root / algo / "resume.npz"
+        if not path.exists():
+            return [], None, StreamedTrace()
+        with np.load(io.BytesIO(path.read_bytes())) as z:
+            count = int(z["count"])
+            state = json.loads(str(z["state"]))
+            sq = z["sq"].tolist()
+            total = [z[f"total_{i}"] for i in range(int(z["num_leaves"]))] or None
+        batches = []
+        for m in range(count):
+            batch_path = self.root / algo / f"batch_{m:04d}.npz"
+            if not batch_path.exists():
+                raise FileNotFoundError(
+                    f"{batch_path} is missing but {path} commits {count} batches: the store is "
+                    "damaged; remove its folder to start the probe over."
+                )
+            with np.load(io.BytesIO(batch_path.read_bytes())) as z:
+                batches.append({k: z[k] for k in z.files})
+        total = None if total is None else [jnp.asarray(x) for x in total]
+        return batches, state, StreamedTrace(total, sq)
+
+    def save(self, algo: str, m: int, batch: dict, state: dict, trace: StreamedTrace) -> None:
+        """Writes batch `m` of `algo`, then commits it (`m + 1` batches done)."""
+        folder = self.root / algo
+        folder.mkdir(parents=True, exist_ok=True)
+        files.write_bytes(folder / f"batch_{m:04d}.npz", _npz_bytes(**batch))
+        total = {f"total_{i}": np.asarray(x) for i, x in enumerate(trace.total or [])}
+        files.write_bytes(
+            folder / "resume.npz",
+            _npz_bytes(
+                count=np.asarray(m + 1),
+                state=np.asarray(json.dumps(state)),
+                sq=np.asarray(trace.sq, np.float64),
+                num_leaves=np.asarray(len(total)),
+                **total,
+            ),
+        )
+
+
 def _trace_summary(k: np.ndarray, norms: np.ndarray) -> dict:
     m = k.shape[0]
     trace = stats.trace_covariance_from_gram(k)
@@ -231,6 +338,8 @@ def run_probe(
     warmup_batches: int = 2,
     num_resamples: int = 2000,
     seed: int = 0,
+    store: ProbeStore | None = None,
+    progress=None,
 ) -> dict:
     """Plays `num_batches` recorded batches per algorithm at matched spend; returns the stats.
 
@@ -249,6 +358,9 @@ def run_probe(
       params: the parameters the critic reads.
       warmup_batches: unrecorded batches a tree algorithm plays first (rate adaptation).
       num_resamples, seed: the bootstrap's.
+      store: where recorded batches are kept as they finish; a probe that finds batches there
+        resumes after them (`ProbeStore`).
+      progress: `fn(line)` called once per recorded batch (seconds, spend, leaves).
 
     Returns:
       {algo: statistics}; `spend_warning` is set where the spend is not matched.
@@ -260,6 +372,8 @@ def run_probe(
     if encode is None:  # The run's own turn format (tiny or chat).
         encode = make_agent(cfg, policy.tokenizer)
     boot = np.random.default_rng(seed)
+    # The exact batch-level trace, where the gradient function gives exact batch gradients.
+    exact = hasattr(gradients, "exact_batch")
     shared = RolloutState.create(cfg)
     results, grams, per_task_grams = {}, {}, {}
     budget = ref_cost = None
@@ -275,23 +389,55 @@ def run_probe(
         if entropies:
             state.selector.observe(np.asarray(entropies))
         critic = critic_for(acfg) if (critic_for and acfg.algorithm.needs_critic) else None
-        rows, costs, exact, leaves, tokens = [], [], [], [], []
-        for m in range(-(warmup_batches if (tree and ai) else 0), num_batches):
+        done, dump, trace = store.load(algo) if store else ([], None, StreamedTrace())
+        if dump is not None:  # Resumed: the rollout statistics as they were after the last batch.
+            state = RolloutState.create(acfg).loaded(dump)
+            shared = dataclasses.replace(shared, lengths=state.lengths, costs=state.costs)
+        rows = [b["rows"] for b in done]
+        costs = [b["costs"] for b in done]
+        leaves = [int(b["leaves"]) for b in done]
+        tokens = [int(b["tokens"]) for b in done]
+        if ai == 0:
+            entropies += [float(x) for b in done for x in b["entropies"]]
+        first = len(done) if done else -(warmup_batches if (tree and ai) else 0)
+        for m in range(first, num_batches):
+            start = time.perf_counter()
             key = jax.random.fold_in(rng, 100_000 * ai + m + 1000)
             forest = _play(pool, policy, encode, tasks, acfg, state, key)
             if m < 0:
                 continue
             adv, _ = forest_advantages(forest, acfg, critic, params)
             g = gradients(forest, adv, forest.step_weights(acfg.train.step_weighting), acfg)
-            rows.append(np.asarray(g, np.float64))
-            costs.append(np.asarray(forest.task_cost, np.float64))
-            batch_exact = getattr(gradients, "exact_batch", None)
-            if batch_exact is not None:
-                exact.append(batch_exact)
-            leaves.append(len(forest.leaves))
-            tokens.append(forest.stats.generated_tokens)
+            batch = {
+                "rows": np.asarray(g, np.float64),
+                "costs": np.asarray(forest.task_cost, np.float64),
+                "leaves": np.asarray(len(forest.leaves)),
+                "tokens": np.asarray(forest.stats.generated_tokens),
+                "entropies": np.asarray(
+                    [float(s.entropies[0]) for s in forest.steps() if s.entropies.size]
+                    if ai == 0
+                    else [],
+                    np.float64,
+                ),
+            }
+            if exact:
+                trace.add(gradients.exact_batch)  # None: this batch's gradient is exactly 0.
+            if store is not None:
+                store.save(algo, m, batch, state.dump(), trace)
+            rows.append(batch["rows"])
+            costs.append(batch["costs"])
+            leaves.append(int(batch["leaves"]))
+            tokens.append(int(batch["tokens"]))
             if ai == 0:
-                entropies += [float(s.entropies[0]) for s in forest.steps() if s.entropies.size]
+                entropies += batch["entropies"].tolist()
+            if progress is not None:
+                target = f" of a budget of {budget:.0f}" if (tree and ai) else ""
+                progress(
+                    f"probe {algo} batch {m + 1}/{num_batches}: "
+                    f"{time.perf_counter() - start:.0f} s, cost per task "
+                    f"{batch['costs'].mean():.0f}{target}, {len(forest.leaves)} leaves, "
+                    f"{int(np.count_nonzero(np.asarray(adv)))} steps with an advantage"
+                )
         g_mtd = np.stack(rows)  # [M, tasks, D]
         costs = np.stack(costs)  # [M, tasks]
         batch = g_mtd.mean(axis=1)
@@ -302,7 +448,7 @@ def run_probe(
             stats.trace_covariance_from_gram(k) for k in per_task_grams[algo]
         ]
         if exact:
-            r["exact_trace_var"] = _streamed_trace(exact)
+            r["exact_trace_var"] = trace.value()
         r["leaves"], r["generated_tokens"] = leaves, tokens
         r["task_cost_mean"] = float(costs.mean())
         r["task_cost_per_task"] = costs.mean(axis=0).tolist()
@@ -335,15 +481,6 @@ def run_probe(
         r["norm_var_ratio"] = r["norm_var"] / max(b["norm_var"], 1e-30)
         r["noise_to_signal_ratio"] = r["noise_to_signal"] / max(b["noise_to_signal"], 1e-30)
     return results
-
-
-def _streamed_trace(grads: list) -> float:
-    """Exact `E||g - mean g||^2` over pytrees (unbiased), one parameter-sized buffer."""
-    m = len(grads)
-    total = functools.reduce(lambda a, b: jax.tree.map(jnp.add, a, b), grads)
-    mean_sq = float(optax.tree.norm(total)) ** 2 / m**2
-    sq = np.mean([float(optax.tree.norm(g)) ** 2 for g in grads])
-    return float((sq - mean_sq) * m / max(m - 1, 1))
 
 
 def _width(params) -> int:
@@ -401,6 +538,18 @@ def main(argv):
         ckpt.close()
         step, params = state.step, state.train.params
         policy = builders.make_policy(cfg, graphdef, params, tokenizer, mcfg, mesh)
+        # Recorded batches are kept as they finish: a re-run of this command resumes after them.
+        identity = {
+            "config": f.config.to_dict(),
+            "algos": algos,
+            "batches": f.batches,
+            "warmup_batches": f.warmup_batches,
+            "sketch_dim": f.sketch_dim,
+            "tasks": [t.task_id for t in tasks],
+            "source": str(source),
+            "update_step": int(step),
+        }
+        store = ProbeStore(workdir / "probe_batches", identity)
         results = run_probe(
             pool,
             policy,
@@ -414,6 +563,8 @@ def main(argv):
             params=params,
             warmup_batches=f.warmup_batches,
             seed=cfg.seed,
+            store=store,
+            progress=lambda line: print(line, flush=True),
         )
     warnings = [r["spend_warning"] for r in results.values() if r["spend_warning"]]
     out = {

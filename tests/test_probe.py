@@ -56,10 +56,10 @@ class Recorder:
         return g
 
 
-def run(cfg, num_batches, warmup=2, seed=0):
+def run(cfg, num_batches, warmup=2, seed=0, grads=None, **kwargs):
     policy = TabularPolicy(random_logits(MDP, seed=1, scale=0.7))
     tasks = load_tasks(None, "train", copies=3, **ENV)
-    grads = Recorder(policy)
+    grads = Recorder(policy) if grads is None else grads(policy)
     with SandboxPool("tabular", ENV, backend="inprocess") as pool:
         results = probe.run_probe(
             pool,
@@ -73,6 +73,7 @@ def run(cfg, num_batches, warmup=2, seed=0):
             encode=encode_state,
             warmup_batches=warmup,
             num_resamples=500,
+            **kwargs,
         )
     return results, grads
 
@@ -118,6 +119,75 @@ def test_probe_flags_unmatched_spend():
     bpo = results["bpo"]
     assert bpo["spend_ratio"] == pytest.approx(0.5)
     assert not bpo["spend_matched"] and "not at matched spend" in bpo["spend_warning"]
+
+
+class Interrupted(Exception):
+    pass
+
+
+def stops_at(algo, calls):
+    """A `Recorder` that is interrupted at its `calls`-th gradient of `algo` (mid-batch: the
+    batch is played but not recorded)."""
+
+    class Stopping(Recorder):
+        def __call__(self, forest, adv, weights, cfg):
+            if cfg.train.algo == algo and len(self.rows.get(algo, [])) == calls:
+                raise Interrupted
+            return super().__call__(forest, adv, weights, cfg)
+
+    return Stopping
+
+
+def test_an_interrupted_probe_resumes_after_its_recorded_batches(tmp_path):
+    m, cfg = 8, probe_config()
+    identity = {"algos": ["rloo", "bpo"], "batches": m}
+    lines = []
+    with pytest.raises(Interrupted):
+        run(cfg, m, grads=stops_at("bpo", 3), store=probe.ProbeStore(tmp_path, identity),
+            progress=lines.append)  # fmt: skip
+    assert len(lines) == m + 3 and lines[0].startswith("probe rloo batch 1/8: ")
+    assert "budget of 16" in lines[-1]  # RLOO's measured cost, as the tree's budget.
+    # The first run's recorded batches, as the store keeps them.
+    store = probe.ProbeStore(tmp_path, identity)
+    first = {a: store.load(a)[0] for a in ("rloo", "bpo")}
+    assert [len(first["rloo"]), len(first["bpo"])] == [m, 3]
+
+    results, grads = run(cfg, m, store=store)
+    # Only the missing batches were played and differentiated, without a second warm-up.
+    assert "rloo" not in grads.rows and len(grads.rows["bpo"]) == m - 3
+    for algo, new in (("rloo", []), ("bpo", grads.rows["bpo"])):
+        rows = np.stack([b["rows"] for b in first[algo]] + list(new))
+        trace = np.sum(np.var(rows.mean(axis=1), axis=0, ddof=1))
+        assert results[algo]["batches"] == m
+        assert results[algo]["trace_var"] == pytest.approx(trace, rel=1e-9)
+    assert results["bpo"]["budget"] == 4 * H and results["bpo"]["spend_matched"]
+    # The stored costs are the reference's: the tree's budget is unchanged by the resume.
+    costs = np.stack([b["costs"] for b in first["rloo"]])
+    assert results["rloo"]["task_cost_per_task"] == costs.mean(axis=0).tolist()
+
+
+def test_a_store_of_another_probe_is_refused(tmp_path):
+    probe.ProbeStore(tmp_path, {"algos": ["rloo", "bpo"], "batches": 64, "tasks": ["a"]})
+    with pytest.raises(ValueError, match=r"different probe .*\['batches'\]"):
+        probe.ProbeStore(tmp_path, {"algos": ["rloo", "bpo"], "batches": 32, "tasks": ["a"]})
+
+
+def test_streamed_trace_counts_zero_gradients_and_survives_the_store(tmp_path):
+    rng = np.random.default_rng(0)
+    grads = [{"w": rng.normal(size=(3, 4)), "b": rng.normal(size=5)} for _ in range(5)]
+    grads[2] = None  # A batch that won nothing: an exactly zero gradient, one of the M.
+    trace = probe.StreamedTrace()
+    for g in grads:
+        trace.add(g)
+    flat = np.stack(
+        [np.zeros(17) if g is None else np.concatenate([g["b"], g["w"].ravel()]) for g in grads]
+    )
+    want = np.sum(np.var(flat, axis=0, ddof=1))
+    assert trace.value() == pytest.approx(want, rel=1e-5)
+    store = probe.ProbeStore(tmp_path, {})
+    store.save("x", 0, {"rows": np.zeros((1, 2))}, {"lengths": [3]}, trace)
+    _, state, loaded = store.load("x")
+    assert state == {"lengths": [3]} and loaded.value() == pytest.approx(trace.value())
 
 
 def test_count_sketch_preserves_inner_products():

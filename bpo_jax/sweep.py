@@ -43,7 +43,9 @@ evals.json, metrics.jsonl, and probe.json where present) into `PATH/<run name>/`
 finishes, for committing while the sweep goes on. A run whose committed record is finished counts
 as finished even where its workdir is gone (a sweep resumed on a fresh machine), except a
 behaviour-cloning start that a pending run still needs: its checkpoint is not in the record, so
-it runs again (it is deterministic: on 2026-12-02 `bc/shared` re-ran bit for bit).
+it runs again (it is deterministic: on 2026-12-02 `bc/shared` re-ran bit for bit), and its
+committed record, the one its runs were paired with, is kept: a finished committed record is
+never overwritten.
 """
 
 from __future__ import annotations
@@ -465,8 +467,18 @@ def _execute(
 
     here = {r.name for r in runs if finished(r, workdir)}
     committed = set()
+    # Finished records already committed are never overwritten: a start re-run on a fresh
+    # machine (for its checkpoint) keeps the record its runs were paired with.
+    recorded = {r.name for r in runs if commit_to and finished(r, Path(commit_to))}
+
+    def record(run: Run) -> str:
+        if run.name in recorded:
+            return f"; its committed record in {commit_to} is kept"
+        commit_record(workdir / run.name, Path(commit_to) / run.name)
+        return ""
+
     if commit_to:  # Finished on another machine: its record is committed, its workdir is gone.
-        committed = {r.name for r in runs if r.name not in here and finished(r, Path(commit_to))}
+        committed = {name for name in recorded if name not in here}
         # A start's record is not its checkpoint: it runs again while a run still needs it.
         needed = {r.init_from for r in runs if r.name not in here | committed and r.init_from}
         committed -= needed
@@ -483,9 +495,8 @@ def _execute(
             if run.name in committed:
                 line(run, f"finished earlier ({what}; record in {commit_to}), skipped")
                 continue
-            if commit_to:
-                commit_record(workdir / run.name, Path(commit_to) / run.name)
-            line(run, f"finished earlier ({what}), skipped")
+            kept = record(run) if commit_to else ""
+            line(run, f"finished earlier ({what}), skipped{kept}")
         else:
             pending.append((run, n))
     running: dict[str, tuple[Run, int, subprocess.Popen, Any, float]] = {}
@@ -555,10 +566,9 @@ def _execute(
                     finished=_now(),
                     wall_seconds=manifest.entries[name]["wall_seconds"] + wall,
                 )
-                if done and commit_to:
-                    commit_record(workdir / name, Path(commit_to) / name)
+                kept = record(run) if (done and commit_to) else ""
                 summary = _summary_text(workdir / name) if done else f"see {workdir / name / LOG}"
-                line(run, f"{status} (rc {rc}) in {wall:.0f}s; {summary}")
+                line(run, f"{status} (rc {rc}) in {wall:.0f}s; {summary}{kept}")
     except KeyboardInterrupt:
         procs = [proc for _, _, proc, _, _ in running.values()]
         _terminate(procs)

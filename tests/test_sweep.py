@@ -398,13 +398,19 @@ def test_a_fresh_machine_skips_committed_runs_and_reruns_a_needed_start(setup, t
     # One run's record missing: the start runs again (its checkpoint is not in the record),
     # then that run; the others stay skipped.
     shutil.rmtree(records / "grpo/seed_1")
+    start_record = (records / "bc/shared/summary.json").read_text() + "\n"
+    (records / "bc/shared/summary.json").write_text(start_record)  # Marked: the first run's.
+    out = io.StringIO()
     statuses = sweep_lib.run_sweep(
-        sweep_file, tmp_path / "c", module="fake_main", commit_to=records, out=io.StringIO()
+        sweep_file, tmp_path / "c", module="fake_main", commit_to=records, out=out
     )
     assert set(statuses.values()) == {"done"}
     ran = {n for n in ["bc/shared", *NAMES] if (tmp_path / "c" / n / "invocations.txt").exists()}
     assert ran == {"bc/shared", "grpo/seed_1"}
     assert (records / "grpo/seed_1/summary.json").is_file()
+    # The re-run start's committed record (the one its runs were paired with) is kept.
+    assert (records / "bc/shared/summary.json").read_text() == start_record
+    assert f"its committed record in {records} is kept" in out.getvalue()
 
 
 def test_the_probe_of_the_start_runs_after_it_and_its_record_lands(setup, tmp_path):

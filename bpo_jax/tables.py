@@ -237,8 +237,11 @@ def build_table2(
     baseline: str = "rloo",
     seed: int = 0,
     num_resamples: int = stats.NUM_RESAMPLES,
+    root: str | Path | None = None,
 ) -> dict:
-    """Gradient-variance ratios against `baseline` from probe records (`find_probes`)."""
+    """Gradient-variance ratios against `baseline` from probe records (`find_probes`), with
+    each probe's batches and measured spend against the baseline; `probes` names the records
+    relative to `root` (the `--runs` folder) where given."""
     probes: dict[int, RunRecord | ProbeRecord] = {}
     notes = []
     for r in runs:
@@ -253,7 +256,10 @@ def build_table2(
             probes[r.seed] = r
     table = {
         "reference": baseline,
-        "probes": [str(p.path) for p in probes.values()],
+        "probes": [
+            str(p.path.resolve().relative_to(Path(root).resolve()) if root else p.path)
+            for p in probes.values()
+        ],
         "algorithms": {},
         "note": None,
     }
@@ -267,7 +273,13 @@ def build_table2(
         return table
     names = sorted({a for p in probes.values() for a in p.probe["results"]} - {baseline})
     for name in names:
-        rows = {"seeds": [], "trace_var_ratio": [], "norm_var_ratio": []}
+        rows = {
+            "seeds": [],
+            "trace_var_ratio": [],
+            "norm_var_ratio": [],
+            "batches": [],
+            "spend_ratio": [],
+        }
         single_ci = None
         for s, p in sorted(probes.items()):
             res = p.probe["results"]
@@ -277,6 +289,8 @@ def build_table2(
             rows["seeds"].append(s)
             rows["trace_var_ratio"].append(res[name]["trace_var"] / max(base["trace_var"], 1e-30))
             rows["norm_var_ratio"].append(res[name]["norm_var"] / max(base["norm_var"], 1e-30))
+            rows["batches"].append(res[name].get("batches"))
+            rows["spend_ratio"].append(res[name].get("spend_ratio"))
             single_ci = res[name].get("trace_var_ratio_ci95")
         if not rows["seeds"]:
             continue
@@ -291,6 +305,14 @@ def build_table2(
             "ci95": ci,
             "norm_var_mean": float(np.mean(rows["norm_var_ratio"])),
         }
+        spends = [x for x in rows["spend_ratio"] if x is not None]
+        unmatched = [x for x in spends if not 0.95 <= x <= 1.05]
+        if unmatched:
+            notes.append(
+                f"{name} spent {', '.join(f'{x:.3f}' for x in unmatched)} of {baseline}'s "
+                "measured cost per task in its probe(s), outside [0.95, 1.05]: not at matched "
+                "spend."
+            )
     if notes:
         table["note"] = " ".join(notes)
     return table
@@ -390,15 +412,27 @@ def results_markdown(
         lines.append(t2["note"])
     else:
         lines += [
-            "| algorithm | seeds | trace-variance ratio | 95% CI | norm-variance ratio |",
-            "|---|---|---|---|---|",
+            "| algorithm | seeds | batches | trace-variance ratio | 95% CI | norm-variance ratio "
+            "| spend vs " + t2["reference"].upper() + " |",
+            "|---|---|---|---|---|---|---|",
         ]
+
+        def listed(xs, fmt):
+            return ", ".join("n/a" if x is None else format(x, fmt) for x in xs) or "n/a"
+
         for name, row in t2["algorithms"].items():
             ci = "n/a" if row["ci95"] is None else f"[{row['ci95'][0]:.2f}, {row['ci95'][1]:.2f}]"
             lines.append(
-                f"| {name} | {len(row['seeds'])} | {row['mean']:.2f} | {ci} | "
-                f"{row['norm_var_mean']:.2f} |"
+                f"| {name} | {len(row['seeds'])} | {listed(row.get('batches', []), 'd')} | "
+                f"{row['mean']:.2f} | {ci} | {row['norm_var_mean']:.2f} | "
+                f"{listed(row.get('spend_ratio', []), '.3f')} |"
             )
+        lines += [
+            "",
+            "The 95% CI of a single probe resamples its batches (`bpo_jax.probe`); over several "
+            "probes (one per seed) it resamples their ratios. Spend: the algorithm's measured "
+            "cost per task over the reference's, in the same probe.",
+        ]
         if t2["note"]:
             lines += ["", t2["note"]]
     lines += ["", "## Figures", ""]
@@ -435,7 +469,11 @@ def write_tables(
         num_resamples=num_resamples,
     )
     t2 = build_table2(
-        find_probes(runs_dir), baseline=baseline, seed=seed, num_resamples=num_resamples
+        find_probes(runs_dir),
+        baseline=baseline,
+        seed=seed,
+        num_resamples=num_resamples,
+        root=runs_dir,
     )
     written = figures.write_figures(runs, extra["curves"], out)
     (out / "table1.json").write_text(json.dumps(t1, indent=2) + "\n")

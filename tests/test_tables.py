@@ -101,7 +101,12 @@ def runs(tmp_path):
                 probe = {
                     "results": {
                         "rloo": {"trace_var": 2.0, "norm_var": 4.0},
-                        "bpo": {"trace_var": 1.0 + 0.5 * seed, "norm_var": 1.0},
+                        "bpo": {
+                            "trace_var": 1.0 + 0.5 * seed,
+                            "norm_var": 1.0,
+                            "batches": 64,
+                            "spend_ratio": [1.01, 1.2][seed],
+                        },
                     }
                 }
             write_run(root / algo / f"seed_{seed}", algo, seed, w, probe=probe)
@@ -199,12 +204,18 @@ def test_bootstrap_is_deterministic_per_seed(runs, tmp_path):
 def test_table2_from_probe_records(runs, tmp_path):
     tables.write_tables(runs, tmp_path / "out")
     t2 = json.loads((tmp_path / "out/table2.json").read_text())
-    assert t2["reference"] == "rloo" and len(t2["probes"]) == 2 and t2["note"] is None
+    assert t2["reference"] == "rloo"
+    assert t2["probes"] == ["rloo/seed_0", "rloo/seed_1"]  # Relative to --runs: portable.
     bpo = t2["algorithms"]["bpo"]
     assert bpo["seeds"] == [0, 1] and bpo["trace_var_ratio"] == [0.5, 0.75]
     assert bpo["mean"] == 0.625 and bpo["norm_var_mean"] == 0.25
     assert 0.5 <= bpo["ci95"][0] <= 0.625 <= bpo["ci95"][1] <= 0.75
-    assert "| bpo | 2 | 0.62 |" in (tmp_path / "out/results.md").read_text()
+    assert bpo["batches"] == [64, 64] and bpo["spend_ratio"] == [1.01, 1.2]
+    # Seed 1's probe was not at matched spend: the note says so, in the JSON and the text.
+    assert "bpo spent 1.200 of rloo's measured cost" in t2["note"]
+    md = (tmp_path / "out/results.md").read_text()
+    assert "| bpo | 2 | 64, 64 | 0.62 | [" in md and "| 0.25 | 1.010, 1.200 |" in md
+    assert "not at matched spend" in md
 
 
 def test_todays_record_names_and_no_probe(tmp_path):

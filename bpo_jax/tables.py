@@ -319,6 +319,7 @@ def build_table2(
 
 
 def _pts(x: float) -> str:
+    x = 0.0 if abs(x) < 1e-12 else x  # A sum of equal and opposite wins, not "-0.0".
     return f"{100 * x:+.1f}"
 
 

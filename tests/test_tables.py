@@ -106,6 +106,10 @@ def runs(tmp_path):
                             "norm_var": 1.0,
                             "batches": 64,
                             "spend_ratio": [1.01, 1.2][seed],
+                            "spend_warning": [
+                                None,
+                                "bpo spent 1.200 of rloo's cost: not at matched spend.",
+                            ][seed],
                         },
                     }
                 }
@@ -212,7 +216,7 @@ def test_table2_from_probe_records(runs, tmp_path):
     assert 0.5 <= bpo["ci95"][0] <= 0.625 <= bpo["ci95"][1] <= 0.75
     assert bpo["batches"] == [64, 64] and bpo["spend_ratio"] == [1.01, 1.2]
     # Seed 1's probe was not at matched spend: the note says so, in the JSON and the text.
-    assert "bpo spent 1.200 of rloo's measured cost" in t2["note"]
+    assert "bpo spent 1.200 of rloo's cost" in t2["note"]
     md = (tmp_path / "out/results.md").read_text()
     assert "| bpo | 2 | 64, 64 | 0.62 | [" in md and "| 0.25 | 1.010, 1.200 |" in md
     assert "not at matched spend" in md

@@ -412,27 +412,31 @@ def test_jail_runs_a_tree_with_overlay(tmp_path):
 
 _HOG = """python - <<'EOF'
 import os, time
-# Each child touches 150 MiB, says so on `ready`, then holds the memory until the parent closes
-# `release`; so all six hold at once, whatever order the scheduler runs them in.
+# Each child touches 150 MiB, says so on `ready` (one byte: its index), then holds the memory
+# until the parent closes `release`. The parent waits until every child has said ready or died:
+# then every live child holds its memory at once, whatever order the scheduler ran them in. (A
+# child can say ready and be killed later, when another one's touching overflows the cgroup: it
+# is counted once, by index; counting the bytes counted it twice and released the holders while
+# a child was still touching.) The deadline only guards against a hang.
 ready_r, ready_w = os.pipe()
 release_r, release_w = os.pipe()
 os.set_blocking(ready_r, False)
 children = []
-for _ in range(6):
+for k in range(6):
     pid = os.fork()
     if pid == 0:
         os.close(release_w)
         block = bytearray(150 << 20)
         for i in range(0, len(block), 4096):
             block[i] = 1
-        os.write(ready_w, b"x")
+        os.write(ready_w, bytes([k]))
         os.read(release_r, 1)
         os._exit(0)
     children.append(pid)
-statuses, ready, deadline = {}, 0, time.monotonic() + 20
-while ready + len(statuses) < len(children) and time.monotonic() < deadline:
+statuses, ready, start = {}, set(), time.monotonic()
+while len(ready | set(statuses)) < len(children) and time.monotonic() < start + 100:
     try:
-        ready += len(os.read(ready_r, 64))
+        ready.update(children[k] for k in os.read(ready_r, 64))
     except BlockingIOError:
         pass
     for p in children:
@@ -445,7 +449,7 @@ os.close(release_w)
 for p in children:
     if p not in statuses:
         statuses[p] = os.waitstatus_to_exitcode(os.waitpid(p, 0)[1])
-print("statuses", sorted(statuses.values()))
+print("statuses", sorted(statuses.values()), "seconds", round(time.monotonic() - start, 1))
 EOF"""
 
 
@@ -454,7 +458,7 @@ def test_jail_caps_memory_of_all_processes_together(tmp_path):
     # RLIMIT_AS, so only the per-jail memory cgroup (where cgroup v1 is writable, as here) stops
     # them, and at most one of them fits beside the shell and the parent.
     result = run_in_jail(str(tmp_path), {}, ["bash", "-c", _HOG],
-                         limits=Limits(timeout_s=30, memory_mb=300))  # fmt: skip
+                         limits=Limits(timeout_s=120, memory_mb=300))  # fmt: skip
     statuses = [int(s) for s in result.output.split("[", 1)[1].split("]")[0].split(",")]
     if "memory" in result.cgroups:
         assert statuses.count(-9) >= 5, result.output  # Killed by the cgroup's OOM killer.

@@ -26,9 +26,9 @@ results or on the held-out games):
     makes RLOO and the tree estimate different length-normalised objectives (see
     `bpo_jax/estimators/kernels.py`); `path_mass` (the `pathmass` ablation) estimates grad J.
 
-STATUS (2026-12-02, session 13): RUNNING, resumable: bc/shared, seeds 0-2 (bpo, grpo, rloo)
+STATUS (2026-12-02, session 14): RUNNING, resumable: bc/shared, seeds 0-3 (bpo, grpo, rloo)
 and the probe of the start (PROBE) done (records in results/alfworld_cpu/, progress in
-docs/results.md); seeds 3 and 4 remain. The start policy is chosen (below), on
+docs/results.md); seed 4 remains. The start policy is chosen (below), on
 the 55 development games held out of the training games (`env.dev_fraction=0.3`), never on the
 tables' games (docs/start_policy.md):
   - search demos (the demonstrator that reads only the text), recovery examples 0.5, 2 turns of

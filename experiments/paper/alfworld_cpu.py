@@ -26,11 +26,11 @@ results or on the held-out games):
     makes RLOO and the tree estimate different length-normalised objectives (see
     `bpo_jax/estimators/kernels.py`); `path_mass` (the `pathmass` ablation) estimates grad J.
 
-STATUS (2026-12-02, session 14): RUNNING, resumable: bc/shared, seeds 0-3 (bpo, grpo, rloo)
-and the probe of the start (PROBE) done (records in results/alfworld_cpu/, progress in
-docs/results.md); seed 4 remains. The start policy is chosen (below), on
-the 55 development games held out of the training games (`env.dev_fraction=0.3`), never on the
-tables' games (docs/start_policy.md):
+STATUS (2026-12-03, session 15): DONE. bc/shared, seeds 0-4 (bpo, grpo, rloo) and the probe of
+the start (PROBE), records in results/alfworld_cpu/, tables in docs/results/alfworld_cpu/, what
+they say in docs/results.md (no difference between the three algorithms). The start policy
+was chosen (below) on the 55 development games held out of the training games
+(`env.dev_fraction=0.3`), never on the tables' games (docs/start_policy.md):
   - search demos (the demonstrator that reads only the text), recovery examples 0.5, 2 turns of
     history, the agent's notes (`agent.notes`), numbers as one token
     (`model.tokenizer_split_digits=False`), 32 steps, 1,200 BC steps: 6 of 55 dev games greedy

@@ -300,6 +300,12 @@ class TrainSpec(_Spec):
     gae_lambda: float = unit_interval()  # PPO: GAE lambda over turns.
     value_lr: float = positive()  # PPO: learning rate of the value head.
     value_epochs: int = at_least(1)  # PPO: value-head passes over each batch.
+    # Without a KL term, rows with a zero advantage (no gradient) are left out of the update's
+    # forward and backward passes, the step unchanged up to float rounding (learner/host.py).
+    skip_zero_advantage: bool = dataclasses.field(
+        default=True,
+        metadata={"check": _Check(lambda v: isinstance(v, bool), "must be True or False")},
+    )
 
     def _check_fields(self):
         if self.microbatch_size and self.minibatch_size % self.microbatch_size:

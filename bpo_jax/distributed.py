@@ -177,8 +177,8 @@ def global_batch(tree, mesh: Mesh, axes: Sequence[str] = ("data", "fsdp")):
                 size *= n
         spec = PartitionSpec(tuple(kept) if kept else None, *([None] * (x.ndim - 1)))
         sharding = NamedSharding(mesh, spec if x.ndim else PartitionSpec())
-        rows = _process_rows(sharding, x.shape)
-        return jax.make_array_from_process_local_data(sharding, x[rows], x.shape)
+        local = x[_process_rows(sharding, x.shape)] if x.ndim else x  # A scalar: replicated.
+        return jax.make_array_from_process_local_data(sharding, local, x.shape)
 
     return jax.tree.map(put, tree)
 

@@ -193,6 +193,8 @@ def base_config(
     c.train.gae_lambda = 0.95  # PPO: GAE lambda over turns.
     c.train.value_lr = 1e-3  # PPO: Adam learning rate of the value head.
     c.train.value_epochs = 4  # PPO: value-head passes over each rollout batch.
+    # Rows with A = 0 skip the update's passes (the same step up to rounding; not with a KL).
+    c.train.skip_zero_advantage = True
 
     # Rollout topology of the tree algorithms (bpo, treerl); independent algorithms (grpo, rloo,
     # gigpo, ppo) play `train.group_size` forks of each task's reset. See bpo_jax/branching.py.

@@ -257,9 +257,10 @@ def rl_iteration(
         **extra_metrics,
         **forest.stats.as_dict("compute/"),
     }
-    if history:
-        for key in history[0]:
-            metrics[f"train/{key}_mean"] = float(np.mean([h[key] for h in history]))
+    # Means over the update's steps; a step on a zero gradient (no row with an advantage)
+    # reports its loss and norms but no entropy or ratio statistics.
+    for key in dict.fromkeys(k for h in history for k in h):
+        metrics[f"train/{key}_mean"] = float(np.mean([h[key] for h in history if key in h]))
     return state, metrics
 
 

@@ -10,7 +10,14 @@ Modules, one role each: `batch` (padded batches), `losses` (log-probs, BC and PG
 """
 
 from bpo_jax.learner.batch import Batch, pad_batch
-from bpo_jax.learner.host import Example, RLUpdater, minibatches, round_up
+from bpo_jax.learner.host import (
+    Example,
+    RLUpdater,
+    loss_denominator_of,
+    minibatches,
+    round_up,
+    row_bucket,
+)
 from bpo_jax.learner.losses import (
     LOSS_AGGS,
     bc_loss,
@@ -37,6 +44,7 @@ __all__ = [
     "bc_loss",
     "chunked_token_logprobs",
     "loss_denominator",
+    "loss_denominator_of",
     "make_logprob_fn",
     "make_model_fn",
     "make_optimizer",
@@ -45,6 +53,7 @@ __all__ = [
     "pad_batch",
     "pg_loss",
     "round_up",
+    "row_bucket",
     "state_shardings",
     "token_logprobs",
 ]

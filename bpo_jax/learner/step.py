@@ -135,6 +135,10 @@ def make_train_step(
     of the whole batch's loss: the update equals the unaccumulated one. The loss metrics are
     combined with the same weights.
 
+    `scale` (keyword, a float32 scalar) multiplies the loss and its gradient before the
+    optimizer (clipping included) sees them: the step of a minibatch from the part of it whose
+    losses are not zero (`RLUpdater.update`).
+
     Args:
       graphdef, optimizer, loss_fn: the model, the optax transformation and
         `loss_fn(model_fn, params, batch, *extra) -> (loss, metrics)`.
@@ -195,8 +199,14 @@ def make_train_step(
         grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grad_sum, params)
         return (loss, metrics), grads
 
-    def train_step(state: TrainState, batch: Batch, *extra):
+    def train_step(state: TrainState, batch: Batch, *extra, scale=None):
         (loss, metrics), grads = accumulated(state.params, batch, extra)
+        if scale is not None:
+            # The batch holds part of a minibatch whose other rows have a zero loss: its loss
+            # (a weighted mean over its rows) times its share of the minibatch's denominator
+            # is the minibatch's loss (`RLUpdater.update`).
+            loss = loss * scale
+            grads = jax.tree.map(lambda g: (g.astype(jnp.float32) * scale).astype(g.dtype), grads)
         updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
         metrics = dict(
@@ -207,6 +217,32 @@ def make_train_step(
     if shardings is None:
         return jax.jit(train_step, donate_argnums=(0,))
     return jax.jit(train_step, donate_argnums=(0,), out_shardings=(shardings, None))
+
+
+def make_zero_step(optimizer: optax.GradientTransformation, shardings: TrainState | None = None):
+    """Builds the jitted optimizer step on a zero gradient: `state -> (state, metrics)`.
+
+    What `make_train_step` does for a minibatch whose every loss term is zero, without running
+    the model: the optimizer still steps (Adam's moments decay and its momentum moves the
+    parameters; weight decay applies), and the step counter advances.
+    """
+
+    def zero_step(state: TrainState):
+        grads = jax.tree.map(jnp.zeros_like, state.params)
+        updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
+        params = optax.apply_updates(state.params, updates)
+        zero = jnp.zeros((), jnp.float32)
+        metrics = {
+            "loss": zero,
+            "pg_loss": zero,
+            "grad_norm": zero,
+            "param_norm": optax.tree.norm(params),
+        }
+        return TrainState(params=params, opt_state=opt_state, step=state.step + 1), metrics
+
+    if shardings is None:
+        return jax.jit(zero_step, donate_argnums=(0,))
+    return jax.jit(zero_step, donate_argnums=(0,), out_shardings=(shardings, None))
 
 
 def make_logprob_fn(graphdef, temperature: float = 1.0, *, logits_chunk: int = 0):

@@ -43,9 +43,15 @@ evals.json, metrics.jsonl, and probe.json where present) into `PATH/<run name>/`
 finishes, for committing while the sweep goes on. A run whose committed record is finished counts
 as finished even where its workdir is gone (a sweep resumed on a fresh machine), except a
 behaviour-cloning start that a pending run still needs: its checkpoint is not in the record, so
-it runs again (it is deterministic: on 2026-12-02 `bc/shared` re-ran bit for bit), and its
-committed record, the one its runs were paired with, is kept: a finished committed record is
-never overwritten.
+it runs again, and its committed record, the one its runs were paired with, is kept: a finished
+committed record is never overwritten. A re-run start must reproduce that record (its
+metrics.jsonl, timings and cache hits aside): if it does not, it is marked failed and its runs do
+not start, since they would not start from the policy the committed runs started from. It is
+deterministic on one kind of machine (`bc/shared` re-ran bit for bit on the AMD EPYC machines of
+2026-12-02), but XLA's CPU arithmetic differs between CPUs: on an Intel Xeon on 2026-12-03 its
+gradient norm differed in the 7th digit at step 2 and the policy it ended with played
+differently. `--allow_changed_start` starts them anyway (they are then paired with each other,
+not with the committed runs).
 """
 
 from __future__ import annotations
@@ -337,6 +343,34 @@ def commit_record(run_dir: Path, dest: Path) -> list[str]:
     return copied
 
 
+def _timing_key(key: str) -> bool:
+    """Keys of a metric record that differ between identical runs: clocks and cache hits."""
+    return key == "time" or key.startswith("time/") or key.endswith(("seconds", "/cached"))
+
+
+def record_difference(run_dir: Path, record_dir: Path) -> str | None:
+    """Where a run's metrics.jsonl first differs from a committed record's (timings and cache
+    hits aside), in words; None where they agree."""
+
+    def load(path: Path) -> list[dict]:
+        if not path.is_file():
+            return []
+        rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+        return [{k: v for k, v in r.items() if not _timing_key(k)} for r in rows]
+
+    ran, committed = load(run_dir / "metrics.jsonl"), load(record_dir / "metrics.jsonl")
+    for i, (a, b) in enumerate(zip(ran, committed)):
+        if a != b:
+            key = sorted(k for k in set(a) | set(b) if a.get(k) != b.get(k))[0]
+            return (
+                f"metric record {i} (step {a.get('step')}) differs from the committed one: "
+                f"{key} {a.get(key)!r} against {b.get(key)!r}"
+            )
+    if len(ran) != len(committed):
+        return f"{len(ran)} metric records against {len(committed)} committed"
+    return None
+
+
 def _now() -> str:
     return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
 
@@ -409,8 +443,12 @@ def run_sweep(
     module: str = "bpo_jax.main",
     probe_module: str = "bpo_jax.probe",
     out=None,
+    allow_changed_start: bool = False,
 ) -> dict[str, str]:
     """Runs (or resumes) the sweep; returns run name -> final status.
+
+    With `commit_to`, a start re-run here that does not reproduce its committed record fails
+    (and its runs with it) unless `allow_changed_start` (see the module's docstring).
 
     Raises:
       KeyboardInterrupt: after terminating the running children (their status: interrupted).
@@ -428,7 +466,15 @@ def run_sweep(
     workdir.mkdir(parents=True, exist_ok=True)
     with _exclusive(workdir):
         return _execute(
-            runs, workdir, str(sweep_path), parallel, commit_to, module, probe_module, out
+            runs,
+            workdir,
+            str(sweep_path),
+            parallel,
+            commit_to,
+            module,
+            probe_module,
+            out,
+            allow_changed_start,
         )
 
 
@@ -450,7 +496,7 @@ def _exclusive(workdir: Path):
 
 
 def _execute(
-    runs, workdir, sweep_path, parallel, commit_to, module, probe_module, out
+    runs, workdir, sweep_path, parallel, commit_to, module, probe_module, out, allow_changed_start
 ) -> dict[str, str]:
     """The body of `run_sweep`, under the sweep folder's lock."""
     manifest = Manifest(workdir, sweep_path, runs, module)
@@ -471,11 +517,30 @@ def _execute(
     # machine (for its checkpoint) keeps the record its runs were paired with.
     recorded = {r.name for r in runs if commit_to and finished(r, Path(commit_to))}
 
+    starts = {r.init_from for r in runs if r.init_from}
+
     def record(run: Run) -> str:
         if run.name in recorded:
             return f"; its committed record in {commit_to} is kept"
         commit_record(workdir / run.name, Path(commit_to) / run.name)
         return ""
+
+    def changed_start(run: Run) -> str | None:
+        """Why a start that ran here does not stand in for its committed record, or None."""
+        if not commit_to or run.name not in recorded or run.name not in starts:
+            return None
+        diff = record_difference(workdir / run.name, Path(commit_to) / run.name)
+        if diff is None:
+            return None
+        if allow_changed_start:
+            line(run, f"WARNING: {diff}; its runs start from it (--allow_changed_start)")
+            return None
+        return (
+            f"{diff}: its runs would not start from the policy the committed runs started "
+            "from (XLA's CPU arithmetic differs between machines). Run the sweep on a machine "
+            "like the one that made the record, commit to a new folder, or pass "
+            "--allow_changed_start"
+        )
 
     if commit_to:  # Finished on another machine: its record is committed, its workdir is gone.
         committed = {name for name in recorded if name not in here}
@@ -494,6 +559,12 @@ def _execute(
             )
             if run.name in committed:
                 line(run, f"finished earlier ({what}; record in {commit_to}), skipped")
+                continue
+            why = changed_start(run)
+            if why:
+                statuses[run.name] = "failed"
+                manifest.update(run.name, status="failed", returncode=None)
+                line(run, f"failed: {why}")
                 continue
             kept = record(run) if commit_to else ""
             line(run, f"finished earlier ({what}), skipped{kept}")
@@ -518,7 +589,7 @@ def _execute(
                     if not run.init_from or statuses.get(run.init_from) == "done"
                 ]
                 if not ready:
-                    if not running:  # Nothing can ever start (a start that never ran).
+                    if pending and not running:  # Nothing can ever start (no such start).
                         raise RuntimeError(
                             f"runs wait for starts that are not in the sweep: {pending}"
                         )
@@ -556,6 +627,8 @@ def _execute(
                 log.close()
                 wall = time.time() - t0
                 done = rc == 0 and finished(run, workdir)
+                why = changed_start(run) if done else None
+                done = done and not why
                 status = "done" if done else "failed"
                 done_count += 1
                 statuses[name] = status
@@ -568,6 +641,7 @@ def _execute(
                 )
                 kept = record(run) if (done and commit_to) else ""
                 summary = _summary_text(workdir / name) if done else f"see {workdir / name / LOG}"
+                summary = why or summary
                 line(run, f"{status} (rc {rc}) in {wall:.0f}s; {summary}{kept}")
     except KeyboardInterrupt:
         procs = [proc for _, _, proc, _, _ in running.values()]
@@ -614,6 +688,11 @@ def define_flags() -> None:
     flags.DEFINE_bool("dry_run", False, "Print the runs' commands and exit.")
     flags.DEFINE_string("commit_to", None, "Copy each finished run's record to PATH/<run name>.")
     flags.DEFINE_string("module", "bpo_jax.main", "The module each run executes (python -m).")
+    flags.DEFINE_bool(
+        "allow_changed_start",
+        False,
+        "Start runs from a re-run start that does not reproduce its committed record.",
+    )
 
 
 def main(argv):
@@ -634,6 +713,7 @@ def main(argv):
             dry_run=FLAGS.dry_run,
             commit_to=FLAGS.commit_to,
             module=FLAGS.module,
+            allow_changed_start=FLAGS.allow_changed_start,
         )
     except KeyboardInterrupt:
         sys.exit(130)

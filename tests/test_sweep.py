@@ -413,6 +413,60 @@ def test_a_fresh_machine_skips_committed_runs_and_reruns_a_needed_start(setup, t
     assert f"its committed record in {records} is kept" in out.getvalue()
 
 
+def test_a_rerun_start_that_does_not_reproduce_its_record_stops_its_runs(setup, tmp_path):
+    sweep_file = setup(shared_bc=True, extra="bc_once=True,")
+    records = tmp_path / "records"
+    sweep_lib.run_sweep(
+        sweep_file, tmp_path / "a", module="fake_main", commit_to=records, out=io.StringIO()
+    )
+    shutil.rmtree(records / "grpo/seed_1")
+    # The committed start differs from what a re-run makes (here: one more metric record).
+    (records / "bc/shared/metrics.jsonl").write_text('{"step": 1, "bc/loss": 0.5}\n')
+    out = io.StringIO()
+    statuses = sweep_lib.run_sweep(
+        sweep_file, tmp_path / "b", module="fake_main", commit_to=records, out=out
+    )
+    assert statuses["bc/shared"] == "failed" and statuses["grpo/seed_1"] == "failed"
+    assert "0 metric records against 1 committed" in out.getvalue()
+    assert "grpo/seed_1: not started: bc/shared failed" in out.getvalue()
+    assert not (tmp_path / "b" / "grpo/seed_1").exists()
+    assert not (records / "grpo/seed_1").exists()
+    # Resuming in the same folder checks the finished start again; allowed, its runs go on.
+    out = io.StringIO()
+    statuses = sweep_lib.run_sweep(
+        sweep_file,
+        tmp_path / "b",
+        module="fake_main",
+        commit_to=records,
+        out=out,
+        allow_changed_start=True,
+    )
+    assert set(statuses.values()) == {"done"}
+    assert "WARNING: 0 metric records against 1 committed" in out.getvalue()
+    assert (records / "grpo/seed_1/summary.json").is_file()
+    assert (records / "bc/shared/metrics.jsonl").read_text().count("\n") == 1  # Kept.
+
+
+def test_record_difference_ignores_clocks_and_cache_hits(tmp_path):
+    a, b = tmp_path / "a", tmp_path / "b"
+    a.mkdir(), b.mkdir()
+    rows = [
+        {"step": 1, "time": 1.0, "bc/loss": 0.25, "eval/seconds": 3.0, "eval/cached": 0.0},
+        {"step": 2, "time/sampling_seconds": 1.0, "bc/grad_norm": 6.791347980499268},
+    ]
+    (a / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    rows[0].update(time=9.0, **{"eval/seconds": 7.0, "eval/cached": 1.0})
+    rows[1]["time/sampling_seconds"] = 2.0
+    (b / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    assert sweep_lib.record_difference(a, b) is None
+    rows[1]["bc/grad_norm"] = 6.791347026824951
+    (b / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    assert sweep_lib.record_difference(a, b) == (
+        "metric record 1 (step 2) differs from the committed one: "
+        "bc/grad_norm 6.791347980499268 against 6.791347026824951"
+    )
+
+
 def test_the_probe_of_the_start_runs_after_it_and_its_record_lands(setup, tmp_path):
     from bpo_jax import tables
 

@@ -28,7 +28,9 @@ results or on the held-out games):
 
 STATUS (2026-12-03, session 15): DONE. bc/shared, seeds 0-4 (bpo, grpo, rloo) and the probe of
 the start (PROBE), records in results/alfworld_cpu/, tables in docs/results/alfworld_cpu/, what
-they say in docs/results.md (no difference between the three algorithms). The start policy
+they say in docs/results.md (no difference between the three algorithms). The start re-runs
+bit for bit only on the kind of CPU that made it (AMD EPYC; not on an Intel Xeon): the sweep
+refuses a re-run start that differs from its record (bpo_jax/sweep.py). The start policy
 was chosen (below) on the 55 development games held out of the training games
 (`env.dev_fraction=0.3`), never on the tables' games (docs/start_policy.md):
   - search demos (the demonstrator that reads only the text), recovery examples 0.5, 2 turns of

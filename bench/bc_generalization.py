@@ -32,8 +32,8 @@ import numpy as np
 from play_transcripts import parse_source, source_parser
 
 from bpo_jax import learner
+from bpo_jax.agent.demos import bc_examples, load_or_play
 from bpo_jax.builders import agent_notes
-from bpo_jax.demos import bc_examples, load_or_play
 from bpo_jax.train import open_run, setup
 
 VERBS = ("go to", "open", "examine", "take", "move", "use")

@@ -35,10 +35,10 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from bpo_jax import stats
 from bpo_jax.config import validate
 from bpo_jax.experiment import load_experiment
 from bpo_jax.rl import RolloutState, branch_point_spreads, play_batch, rollout_metrics
+from bpo_jax.study import stats
 from bpo_jax.train import iteration_tasks, open_run, setup
 
 # name -> rollout overrides. Every rule branches under the same budget mode and auto budget.

@@ -7,7 +7,7 @@ same tasks (the order alternates from batch to batch), after one unrecorded warm
 value (compilation; a prompt-length bucket first seen later compiles then, reported per row).
 Per batch and value: rollout seconds, resets, sampling, time blocked on the env steps, the
 steps' summed send-to-reply latency, the environment floor (env steps x mean step latency /
-workers, `bpo_jax.timing.env_floor_metrics`) and the rollout's ratio to it, with and without
+workers, `bpo_jax.rollout.timing.env_floor_metrics`) and the rollout's ratio to it, with and without
 the resets. Prints a table and writes JSON.
 
   source scripts/_data_env.sh
@@ -32,8 +32,8 @@ from flax import nnx  # noqa: E402
 from bpo_jax import builders  # noqa: E402
 from bpo_jax.config import validate  # noqa: E402
 from bpo_jax.experiment import load_experiment  # noqa: E402
-from bpo_jax.rollout import TreeSpec, play_forest  # noqa: E402
-from bpo_jax.timing import CompileClock, env_floor_metrics  # noqa: E402
+from bpo_jax.rollout.engine import TreeSpec, play_forest  # noqa: E402
+from bpo_jax.rollout.timing import CompileClock, env_floor_metrics  # noqa: E402
 from bpo_jax.tokenizer import load_tokenizer  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -9,7 +9,7 @@ within each candidate `env.max_steps`.
   PYTHONPATH=$PWD python bench/bench_search_expert.py --split=train --max_steps=100 \
       --json=/work/runs/start_policy/search_expert_train.json
 
-The played episodes go to `--demos` (the same records `bpo_jax.demos` caches) when given.
+The played episodes go to `--demos` (the same records `bpo_jax.agent.demos` caches) when given.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from pathlib import Path
 
 import numpy as np
 
-from bpo_jax.demos import play_search, play_walkthroughs
+from bpo_jax.agent.demos import play_search, play_walkthroughs
 from envs.alfworld import load_tasks
 from envs.alfworld.search_expert import SUPPORTED_TASK_TYPES
 from envs.sandbox import SandboxPool

@@ -27,11 +27,11 @@ import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
 from bpo_jax.agent import SPECIAL_SYMBOLS  # noqa: E402
-from bpo_jax.branching import CostModel, LengthModel, make_selector  # noqa: E402
 from bpo_jax.models import config as model_config  # noqa: E402
 from bpo_jax.models.llama import Transformer  # noqa: E402
-from bpo_jax.policy import Policy  # noqa: E402
-from bpo_jax.rollout import TreeSpec, play_forest, prompt_encoder  # noqa: E402
+from bpo_jax.rollout.branching import CostModel, LengthModel, make_selector  # noqa: E402
+from bpo_jax.rollout.engine import TreeSpec, play_forest, prompt_encoder  # noqa: E402
+from bpo_jax.sampler.policy import Policy  # noqa: E402
 from bpo_jax.tokenizer import train_sentencepiece  # noqa: E402
 from envs.alfworld import load_tasks  # noqa: E402
 from envs.sandbox import SandboxPool  # noqa: E402

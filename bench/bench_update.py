@@ -37,7 +37,7 @@ from bpo_jax.config import validate  # noqa: E402
 from bpo_jax.experiment import load_experiment  # noqa: E402
 from bpo_jax.models import config as model_config  # noqa: E402
 from bpo_jax.models.factory import create_model  # noqa: E402
-from bpo_jax.timing import CompileClock  # noqa: E402
+from bpo_jax.rollout.timing import CompileClock  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -1,6 +1,6 @@
 """Where BPO wins: the BPO/RLOO gradient-variance ratio mapped over the tree's shape and the MDP.
 
-The real engine, in process: `bpo_jax.rollout.play_forest` (sandbox pool with the `inprocess`
+The real engine, in process: `bpo_jax.rollout.engine.play_forest` (sandbox pool with the `inprocess`
 backend, the branch planner with its `target` budget rule, the forest builder), the estimator
 kernels (`estimators.step_advantages`, "bpo" and "rloo") and `RolloutForest.step_weights`
 ("trajectory", the default) play tabular MDPs (`envs.tabular`, gym id bpo_jax/TabularTree-v0)
@@ -40,10 +40,10 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 import variance_model  # noqa: E402
 
-from bpo_jax import stats  # noqa: E402
-from bpo_jax.branching import CostModel, LengthModel, make_selector  # noqa: E402
 from bpo_jax.estimators import step_advantages  # noqa: E402
-from bpo_jax.rollout import TreeSpec, play_forest  # noqa: E402
+from bpo_jax.rollout.branching import CostModel, LengthModel, make_selector  # noqa: E402
+from bpo_jax.rollout.engine import TreeSpec, play_forest  # noqa: E402
+from bpo_jax.study import stats  # noqa: E402
 from envs.sandbox import SandboxPool  # noqa: E402
 from envs.tabular import make_mdp, mdp_tasks, random_logits, reward_density_mdp  # noqa: E402
 from envs.tabular.policy import TabularPolicy, encode_state, forest_task_gradients  # noqa: E402
@@ -264,7 +264,7 @@ def main():
         out = Path(args.out)
         out.parent.mkdir(parents=True, exist_ok=True)
         meta = {
-            "engine": "bpo_jax.rollout.play_forest, SandboxPool(backend='inprocess'), "
+            "engine": "bpo_jax.rollout.engine.play_forest, SandboxPool(backend='inprocess'), "
             "TabularPolicy; estimators.step_advantages; step_weights('trajectory')",
             "tasks_per_estimator": args.tasks,
             "budget_unit": "env_steps",

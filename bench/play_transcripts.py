@@ -31,7 +31,7 @@ import jax
 from bpo_jax.config import validate
 from bpo_jax.evaluation import make_agent
 from bpo_jax.experiment import load_experiment
-from bpo_jax.rollout import play
+from bpo_jax.rollout.engine import play
 from bpo_jax.train import open_run, setup
 from envs.alfworld.inadmissible import room_receptacles
 

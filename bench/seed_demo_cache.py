@@ -1,7 +1,7 @@
 r"""Writes a run's demo cache from episodes already played at a longer step limit.
 
 A run plays its demos once (about 10 s per ALFWorld reset on a busy 2-core machine) and caches
-them in its workdir (`bpo_jax.demos.demos_path`). The games are deterministic and an expert's
+them in its workdir (`bpo_jax.agent.demos.demos_path`). The games are deterministic and an expert's
 actions depend only on what the game showed it, so an episode played at step limit L is, cut
 to its first M <= L steps, exactly the episode the run would play at limit M (won iff it won
 within M steps). This writes that cut, in the order the run lists its training tasks, so a run
@@ -22,9 +22,9 @@ import ast
 import json
 from pathlib import Path
 
+from bpo_jax.agent.demos import demos_path
 from bpo_jax.builders import select_tasks
 from bpo_jax.config import validate
-from bpo_jax.demos import demos_path
 from bpo_jax.experiment import load_experiment
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -16,7 +16,7 @@ import argparse
 import json
 from pathlib import Path
 
-from bpo_jax.stats import wilson_ci
+from bpo_jax.study.stats import wilson_ci
 
 SORT_KEYS = ("demos", "bc_steps", "max_steps", "recovery", "history_turns", "notes", "digits")
 

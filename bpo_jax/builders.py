@@ -1,6 +1,6 @@
 """The pieces a run is built from: its tasks, sandbox pool, tokenizer, agent, model and policy.
 
-Training (`bpo_jax.train`) and the gradient probe (`bpo_jax.probe`) build them the same way.
+Training (`bpo_jax.train`) and the gradient probe (`bpo_jax.study.probe`) build them the same way.
 """
 
 from __future__ import annotations
@@ -11,13 +11,13 @@ import random
 from etils import epath
 
 from bpo_jax import agent as agent_lib
-from bpo_jax import distributed
 from bpo_jax.agent import NOTES_SYMBOL, SPECIAL_SYMBOLS
+from bpo_jax.agent.demos import corpus, notes_fn
 from bpo_jax.config import DTYPES, ExperimentConfig
-from bpo_jax.demos import corpus, notes_fn
 from bpo_jax.models import config as model_config
 from bpo_jax.models.factory import create_model
-from bpo_jax.policy import Policy
+from bpo_jax.parallel import distributed
+from bpo_jax.sampler.policy import Policy
 from bpo_jax.tokenizer import load_tokenizer, train_sentencepiece
 
 
@@ -201,7 +201,7 @@ def make_critic(cfg: ExperimentConfig, graphdef, width: int, pad_id: int):
     """The algorithm's critic (PPO's value head), or None when it has none."""
     if not cfg.algorithm.needs_critic:
         return None
-    from bpo_jax.critic import Critic
+    from bpo_jax.learner.critic import Critic
 
     t = cfg.train
     return Critic(graphdef, width, t.value_lr, t.value_epochs, cfg.seed, pad_id)

@@ -464,11 +464,11 @@ def compile_report(
 
     `sampler`: "slice" compiles prefill and decode over the whole mesh at the whole rollout
     batch, with the parameters in the train state's sharding: a one-process run's layout, and
-    what a multi-host run with `mesh.sampler="slice"` runs (`bpo_jax.slice_sampler`: every
+    what a multi-host run with `mesh.sampler="slice"` runs (`bpo_jax.multihost.slice_sampler`: every
     host's rows in one program; its batch is hosts x the power-of-two bucket of a host's rows,
     `policy.batch_bucket`, the rollout batch itself when each host's rows are a power of two,
     as at every setting the README reports); "host" as a multi-host run with
-    `mesh.sampler="host"` samples (`bpo_jax.shares`):
+    `mesh.sampler="host"` samples (`bpo_jax.multihost.shares`):
     on one host's own chips (`distributed.process_mesh`, e.g. 4 of a v5litepod-64's 64) at that
     host's rows (`rollout_rows`), with the parameters copied there (`distributed.to_local`)
     while the global train state (parameters and optimizer state over the slice) stays
@@ -494,7 +494,7 @@ def compile_report(
     sharding.check_replication(abstract_params(mcfg, mesh)[1])
     sampler_mesh, rows, resident = mesh, rollout_rows(cfg), 0
     if sampler == "host":
-        from bpo_jax import distributed
+        from bpo_jax.parallel import distributed
 
         hosts = len({d.process_index for d in devices})
         sampler_mesh = distributed.process_mesh(mesh, 0)

@@ -18,29 +18,29 @@ from typing import Any, ClassVar
 
 import jax.numpy as jnp
 
-from bpo_jax import files
 from bpo_jax.agent import AGENT_FORMATS
-from bpo_jax.algorithms import ALGORITHMS
-from bpo_jax.branching import (
-    BRANCH_SCHEDULES,
-    BUDGET_MODES,
-    BUDGET_UNITS,
-    ENTROPY_REDUCE,
-    SELECTORS,
-)
-from bpo_jax.demos import (
+from bpo_jax.agent.demos import (
     AGENT_NOTES,
     DEMO_SOURCES,
     INADMISSIBLE_ACTIONS,
     SEARCH_EXPERTS,
     search_expert_class,
 )
+from bpo_jax.algorithms import ALGORITHMS
 from bpo_jax.estimators import NORMALIZE
-from bpo_jax.forest import STEP_WEIGHTINGS
+from bpo_jax.io import files
 from bpo_jax.learner import LOSS_AGGS
 from bpo_jax.models.config import PRESETS, RANDOM_INIT_PRESETS
 from bpo_jax.models.llama import REMAT_POLICIES
-from bpo_jax.shares import SAMPLER_MODES
+from bpo_jax.multihost.shares import SAMPLER_MODES
+from bpo_jax.rollout.branching import (
+    BRANCH_SCHEDULES,
+    BUDGET_MODES,
+    BUDGET_UNITS,
+    ENTROPY_REDUCE,
+    SELECTORS,
+)
+from bpo_jax.rollout.forest import STEP_WEIGHTINGS
 
 # The algorithm registry under its old name (algorithm name -> `Algorithm`).
 ALGOS = ALGORITHMS
@@ -154,7 +154,8 @@ class MeshSpec(_Spec):
     tensor: int = _mesh_axis()
     rules: tuple  # Logical axis -> mesh axes (bpo_jax/models/sharding.py).
     # Shares every batch of tasks (an iteration's, an evaluation's) is split into; process p
-    # of P plays shares p, p + P, ..., each as one batch with its own key (bpo_jax.distributed).
+    # of P plays shares p, p + P, ..., each as one batch with its own key
+    # (bpo_jax.parallel.distributed).
     # 0: one per process. Fix it to make a run's results independent of its process count.
     task_shards: int = dataclasses.field(
         default=0, metadata={"check": _Check(lambda v: v >= 0, "must be >= 0 (0: one per process)")}
@@ -164,9 +165,11 @@ class MeshSpec(_Spec):
     dcn_data: int = dataclasses.field(
         default=0, metadata={"check": _Check(lambda v: v >= 0, "must be >= 0 (0: every slice)")}
     )
-    # Where a multi-host run samples (bpo_jax/shares.py): "host" on each host's own chips with a
+    # Where a multi-host run samples (bpo_jax/multihost/shares.py): "host" on each host's own chips
+    # with a
     # copy of the parameters; "slice" in programs over the whole mesh, every host's calls joined
-    # in lockstep (bpo_jax/slice_sampler.py), which TPU slices with limited ICI routing (v5e,
+    # in lockstep (bpo_jax/multihost/slice_sampler.py), which TPU slices with limited ICI routing
+    # (v5e,
     # v6e) need. Identical with one process.
     sampler: str = dataclasses.field(
         default="host",
@@ -231,7 +234,7 @@ class AgentSpec(_Spec):
     max_action_tokens: int = at_least(1)
     # tiny: a <notes> section before the current observation, the environment's summary of the
     # texts the episode has shown (where it is, what it holds, what it saw, what it has not
-    # visited; `AGENT_NOTES` in bpo_jax/demos.py, envs/alfworld/memory.py).
+    # visited; `AGENT_NOTES` in bpo_jax/agent/demos.py, envs/alfworld/memory.py).
     notes: bool = dataclasses.field(
         default=False,
         metadata={"check": _Check(lambda v: isinstance(v, bool), "must be True or False")},
@@ -261,13 +264,13 @@ class BCSpec(_Spec):
     batch_size: int = at_least(1)
     lr: float = positive()
     # What is cloned: walkthrough (the games' planner plans) | search (the environment's
-    # searching demonstrator, which acts on the observations only; bpo_jax/demos.py).
+    # searching demonstrator, which acts on the observations only; bpo_jax/agent/demos.py).
     demos: str = dataclasses.field(
         default="walkthrough",
         metadata={"check": _Check(lambda v: v in DEMO_SOURCES, f"must be one of {DEMO_SOURCES}")},
     )
     # Share of demo steps cloned once more after 1-2 commands the game cannot execute (recovery
-    # examples; bpo_jax/demos.py). 0 = the demos as played.
+    # examples; bpo_jax/agent/demos.py). 0 = the demos as played.
     recovery: float = dataclasses.field(
         default=0.0, metadata={"check": _Check(lambda v: 0 <= v < 1, "must be in [0, 1)")}
     )
@@ -361,7 +364,7 @@ class EvalSpec(_Spec):
     sampled: bool  # Also play one sampled (temperature) episode per task.
     initial: bool = True  # Evaluate the policy before behaviour cloning too.
     # Folder of evaluation results shared between runs ('' = none): an evaluation of exactly the
-    # same episodes is reused (bpo_jax/eval_cache.py; the sweep sets it).
+    # same episodes is reused (bpo_jax/io/eval_cache.py; the sweep sets it).
     cache_dir: str = ""
 
 
@@ -446,7 +449,7 @@ class ExperimentConfig:
             )
         if self.mesh.sampler == "slice" and self.sampler.prefix_reuse:
             # A prefix cache's programs depend on what each host's cache holds, so the hosts'
-            # calls cannot be joined (bpo_jax/slice_sampler.py); turning it off silently
+            # calls cannot be joined (bpo_jax/multihost/slice_sampler.py); turning it off silently
             # would change the run's float results.
             raise ValueError(
                 "config.mesh.sampler='slice' samples without prefix reuse; set "

@@ -19,12 +19,13 @@ import time
 import numpy as np
 from etils import epath
 
-from bpo_jax import distributed, files
 from bpo_jax.builders import make_agent
-from bpo_jax.eval_cache import EvalCache
-from bpo_jax.metrics import MetricWriter, progress
-from bpo_jax.rollout import play
-from bpo_jax.shares import play_in_shares
+from bpo_jax.io import files
+from bpo_jax.io.eval_cache import EvalCache
+from bpo_jax.io.metrics import MetricWriter, progress
+from bpo_jax.multihost.shares import play_in_shares
+from bpo_jax.parallel import distributed
+from bpo_jax.rollout.engine import play
 
 log = logging.getLogger(__name__)
 
@@ -38,9 +39,10 @@ def evaluate(
 ) -> dict:
     """One episode per task (greedy, or sampled at the policy's temperature); success etc.
 
-    The tasks are played in `mesh.task_shards` shares, each host its own (`bpo_jax.shares`);
+    The tasks are played in `mesh.task_shards` shares, each host its own
+    (`bpo_jax.multihost.shares`);
     every host returns the result over all of them. With a `cache`, an evaluation of exactly
-    these episodes made before (by any run sharing the cache) is reused (`bpo_jax.eval_cache`).
+    these episodes made before (by any run sharing the cache) is reused (`bpo_jax.io.eval_cache`).
     """
     if not tasks:
         return {}

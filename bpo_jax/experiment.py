@@ -106,7 +106,7 @@ def base_config(
     c.mesh.tensor = 1
     c.mesh.rules = axes.DEFAULT_RULES  # Override with a tuple of (logical axis, mesh axes).
     # Shares each batch of tasks is cut into for the hosts (0 = one per process); results
-    # depend on the number of shares, not of processes (`bpo_jax.shares`).
+    # depend on the number of shares, not of processes (`bpo_jax.multihost.shares`).
     c.mesh.task_shards = 0
     # Multislice (several TPU slices over DCN): the data axis spans the slices, `dcn_data` of
     # them (0: all the devices span); data, fsdp and tensor above are sizes within one slice.
@@ -197,7 +197,8 @@ def base_config(
     c.train.skip_zero_advantage = True
 
     # Rollout topology of the tree algorithms (bpo, treerl); independent algorithms (grpo, rloo,
-    # gigpo, ppo) play `train.group_size` forks of each task's reset. See bpo_jax/branching.py.
+    # gigpo, ppo) play `train.group_size` forks of each task's reset. See
+    # bpo_jax/rollout/branching.py.
     c.rollout = ml_collections.ConfigDict()
     # K0 backbones per task (>= 2: the first steps need siblings). CPU: 3 against group_size 4,
     # the tree that lost least to RLOO on the tabular MDPs' variance map (docs/variance_map.md).
@@ -241,7 +242,8 @@ def base_config(
     c.rollout.entropy_per_step = False  # selector=entropy: quantile among entropies at step t.
     # The batch's tasks play in this many cohorts whose turns are pipelined: one cohort samples
     # on the accelerator while the others' environment steps run in the sandbox workers
-    # (`bpo_jax.rollout`; at most one cohort per task, 1 = plain lockstep). 2 is enough to hide
+    # (`bpo_jax.rollout.engine`; at most one cohort per task, 1 = plain lockstep). 2 is enough to
+    # hide
     # whichever of sampling and env steps is the shorter; more cohorts make each sampling call
     # smaller (less batching on the accelerator) for little more overlap.
     c.rollout.overlap_cohorts = 2

@@ -15,7 +15,8 @@ from absl import app, flags
 from absl import logging as absl_logging
 from ml_collections import config_flags
 
-from bpo_jax import distributed, train
+from bpo_jax import train
+from bpo_jax.parallel import distributed
 
 FLAGS = flags.FLAGS
 config_flags.DEFINE_config_file("config", None, "Experiment config file.", lock_config=True)

@@ -17,16 +17,18 @@ import time
 
 import numpy as np
 
-from bpo_jax import distributed, learner, shares
-from bpo_jax.branching import CostModel, LengthModel, make_selector
+from bpo_jax import learner
 from bpo_jax.builders import make_agent
 from bpo_jax.config import ExperimentConfig
 from bpo_jax.estimators import gae, step_advantages, tree_advantages
-from bpo_jax.forest import ForestArrays, RolloutForest
+from bpo_jax.io.metrics import BRANCH_STEP_PREFIX
 from bpo_jax.learner import Example
-from bpo_jax.records import BRANCH_STEP_PREFIX
-from bpo_jax.rollout import TreeSpec, play_forest
-from bpo_jax.timing import CompileClock, env_floor_metrics
+from bpo_jax.multihost import shares
+from bpo_jax.parallel import distributed
+from bpo_jax.rollout.branching import CostModel, LengthModel, make_selector
+from bpo_jax.rollout.engine import TreeSpec, play_forest
+from bpo_jax.rollout.forest import ForestArrays, RolloutForest
+from bpo_jax.rollout.timing import CompileClock, env_floor_metrics
 
 
 def forest_examples(forest: RolloutForest, adv: np.ndarray, weights: np.ndarray) -> list[Example]:
@@ -147,7 +149,8 @@ def tree_spec(cfg: ExperimentConfig, state: RolloutState) -> TreeSpec:
 def play_batch(pool, policy, tasks, cfg: ExperimentConfig, state: RolloutState, rng):
     """Stage 1: every task's forest under the algorithm's topology (returns forest, spec).
 
-    The tasks are played in `mesh.task_shards` shares (`bpo_jax.shares`), each host its own;
+    The tasks are played in `mesh.task_shards` shares (`bpo_jax.multihost.shares`), each host its
+    own;
     every host returns the whole batch's forest, and `state` gains every share's statistics.
     """
     spec = tree_spec(cfg, state)

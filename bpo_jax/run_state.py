@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 
 from bpo_jax import learner
-from bpo_jax.checkpoint import Checkpointer, abstract_like
+from bpo_jax.io.checkpoint import Checkpointer, abstract_like
 from bpo_jax.rl import RolloutState
 
 PHASES = ("bc", "rl")

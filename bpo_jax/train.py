@@ -30,7 +30,8 @@ import numpy as np
 from etils import epath
 from flax import nnx
 
-from bpo_jax import distributed, files, learner
+from bpo_jax import learner
+from bpo_jax.agent.demos import bc_examples, demos_path, inadmissible_turn_fn, load_or_play
 from bpo_jax.algorithms import get_algorithm
 from bpo_jax.builders import (
     agent_notes,
@@ -41,13 +42,14 @@ from bpo_jax.builders import (
     make_pool,
     select_tasks,
 )
-from bpo_jax.checkpoint import Checkpointer
 from bpo_jax.config import ExperimentConfig, validate
-from bpo_jax.demos import bc_examples, demos_path, inadmissible_turn_fn, load_or_play
-from bpo_jax.eval_cache import EvalCache
 from bpo_jax.evaluation import EVAL_SEEDS, EvalLog, evaluate, pooled
-from bpo_jax.metrics import MetricWriter, progress
+from bpo_jax.io import files
+from bpo_jax.io.checkpoint import Checkpointer
+from bpo_jax.io.eval_cache import EvalCache
+from bpo_jax.io.metrics import MetricWriter, progress
 from bpo_jax.models import sharding
+from bpo_jax.parallel import distributed
 from bpo_jax.rl import rl_iteration
 from bpo_jax.run_state import RunState, initial_state
 from bpo_jax.tokenizer import load_tokenizer
@@ -60,7 +62,7 @@ class Run:
     """What a run builds once and every phase reads: fixed for the run's lifetime."""
 
     cfg: ExperimentConfig
-    workdir: epath.Path  # Local (absolute) or a bucket URL: `bpo_jax.files`.
+    workdir: epath.Path  # Local (absolute) or a bucket URL: `bpo_jax.io.files`.
     pool: Any
     train_tasks: list
     eval_tasks: dict  # split -> tasks
@@ -236,7 +238,7 @@ def _init_from(run: Run, state: RunState, mcfg) -> RunState:
     if src_algo.needs_critic:
         critic = make_critic(run.cfg, run.graphdef, mcfg.hidden_size, run.tokenizer.pad_id)
         if critic is None:  # This run's algorithm has none: build one of the source's shape.
-            from bpo_jax.critic import Critic
+            from bpo_jax.learner.critic import Critic
 
             critic = Critic(run.graphdef, mcfg.hidden_size, 1.0, 1, 0, run.tokenizer.pad_id)
     params = state.train.params

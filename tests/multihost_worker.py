@@ -18,7 +18,8 @@ def main(argv):
     overrides = [a[len("--config.") :] for a in rest if a.startswith("--config.")]
     # Global switches before any other JAX call (as bpo_jax.main does).
     jax.config.update("jax_num_cpu_devices", devices)
-    from bpo_jax import distributed, experiment, train  # noqa: F401 (experiment: config)
+    from bpo_jax import experiment, train  # noqa: F401 (experiment: config)
+    from bpo_jax.parallel import distributed  # noqa: F401 (experiment: config)
 
     if positional:
         address, num, pid = positional

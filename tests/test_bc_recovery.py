@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 
 from bpo_jax.agent import SPECIAL_SYMBOLS
+from bpo_jax.agent.demos import bc_examples, corpus, inadmissible_turn_fn
 from bpo_jax.config import validate
-from bpo_jax.demos import bc_examples, corpus, inadmissible_turn_fn
 from bpo_jax.experiment import load_experiment
 from envs.alfworld.inadmissible import REPLY, inadmissible_turn, room_receptacles
 

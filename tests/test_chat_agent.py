@@ -15,8 +15,8 @@ from bpo_jax import agent as agent_lib
 from bpo_jax.agent import ChatAgent, EpisodeText, instruction_for, make_agent, parse_chat_action
 from bpo_jax.config import validate
 from bpo_jax.experiment import load_experiment
-from bpo_jax.policy import ActionSample
-from bpo_jax.rollout import TreeSpec, play_forest
+from bpo_jax.rollout.engine import TreeSpec, play_forest
+from bpo_jax.sampler.policy import ActionSample
 from bpo_jax.tokenizer import HFTokenizer, load_tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -298,7 +298,7 @@ def test_config_refuses_chat_without_a_template_source_or_with_cloning():
 def test_chat_agent_trains_a_random_qwen2_for_two_iterations(tmp_path):
     """The full setting's agent (chat format, verl-agent's history) on a randomly initialised
     Qwen2 checkpoint of the tiny preset: ALFWorld, GRPO, two iterations, on the CPU."""
-    from bpo_jax.metrics import read_metrics
+    from bpo_jax.io.metrics import read_metrics
     from bpo_jax.train import train_and_evaluate
 
     ckpt = write_chat_checkpoint(tmp_path / "qwen2_tiny", weights=True)

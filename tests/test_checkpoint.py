@@ -1,4 +1,4 @@
-"""Tests for bpo_jax.checkpoint: full training-state round trips, pruning, shardings, errors."""
+"""Tests for bpo_jax.io.checkpoint: full training-state round trips, pruning, shardings, errors."""
 
 import shutil
 
@@ -11,7 +11,7 @@ from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from bpo_jax import checkpoint as ckpt_lib
+from bpo_jax.io import checkpoint as ckpt_lib
 
 
 class TinyPolicy(nnx.Module):

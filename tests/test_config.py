@@ -8,9 +8,9 @@ import pytest
 
 from bpo_jax import config as config_lib
 from bpo_jax.algorithms import ALGORITHMS, Algorithm, get_algorithm, register_algorithm
-from bpo_jax.branching import SELECTORS, register_selector
 from bpo_jax.config import validate
 from bpo_jax.experiment import load_experiment
+from bpo_jax.rollout.branching import SELECTORS, register_selector
 
 ROOT = Path(__file__).resolve().parents[1]
 

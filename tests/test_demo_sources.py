@@ -86,7 +86,7 @@ def test_dev_split_is_by_task_id_disjoint_and_seed_independent():
 def test_behaviour_cloning_examples_from_search_demos():
     """The BC corpus of a search episode: one example per step, the expert's action last."""
     from bpo_jax.agent import SPECIAL_SYMBOLS
-    from bpo_jax.demos import bc_examples, corpus
+    from bpo_jax.agent.demos import bc_examples, corpus
     from bpo_jax.tokenizer import train_sentencepiece
     from envs.alfworld.search_expert import SearchExpert
 
@@ -122,7 +122,7 @@ def test_behaviour_cloning_examples_from_search_demos():
 @pytest.mark.slow
 def test_a_run_clones_search_demos(tmp_path):
     """Behaviour cloning from the searching demonstrator, end to end, on two training games."""
-    from bpo_jax.metrics import read_metrics
+    from bpo_jax.io.metrics import read_metrics
     from bpo_jax.train import train_and_evaluate
 
     cfg = cpu_config(
@@ -151,7 +151,7 @@ def test_a_run_clones_search_demos(tmp_path):
 
 
 def test_wilson_ci_matches_hand_computed_values():
-    from bpo_jax.stats import wilson_ci
+    from bpo_jax.study.stats import wilson_ci
 
     # 10 of 50: the textbook Wilson interval [0.1124, 0.3304]; 0 of n: [0, z^2 / (n + z^2)].
     assert wilson_ci(10, 50) == pytest.approx((0.11244, 0.33037), abs=1e-5)

@@ -1,7 +1,8 @@
 """The real rollout engine on an exactly solvable MDP: its forests give unbiased gradients.
 
 `tests/test_estimator_mdp.py` checks the estimator kernels on forests drawn by a reference
-sampler. Here the forests come from `bpo_jax.rollout.play_forest` itself: the sandbox pool, the
+sampler. Here the forests come from `bpo_jax.rollout.engine.play_forest` itself: the sandbox pool,
+the
 online branch rules, the budget, the forest bookkeeping and `RolloutForest.step_weights`, with a
 tabular softmax policy in place of the language model (same `prefill` / `sample` interface).
 The mean of the per-task BPO gradient over many tasks must match the exact policy gradient
@@ -16,10 +17,10 @@ import jax
 import numpy as np
 import pytest
 
-from bpo_jax.branching import CostModel, LengthModel, make_selector
 from bpo_jax.estimators import step_advantages
-from bpo_jax.policy import ActionSample
-from bpo_jax.rollout import TreeSpec, play_forest
+from bpo_jax.rollout.branching import CostModel, LengthModel, make_selector
+from bpo_jax.rollout.engine import TreeSpec, play_forest
+from bpo_jax.sampler.policy import ActionSample
 from envs.sandbox import SandboxPool
 from envs.tabular import load_tasks, make_mdp, objective_grad, policy_probs, random_logits
 

@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 
 from bpo_jax.config import validate
-from bpo_jax.eval_cache import EvalCache, fingerprint
+from bpo_jax.io.eval_cache import EvalCache, fingerprint
 from tests.test_experiments import tiny_cpu_config
 
 

@@ -115,7 +115,7 @@ def tiny_cpu_config(**overrides):
 
 
 def test_cpu_variant_runs_two_iterations(tmp_path):
-    from bpo_jax.metrics import read_metrics
+    from bpo_jax.io.metrics import read_metrics
     from bpo_jax.train import train_and_evaluate
 
     summary = train_and_evaluate(tiny_cpu_config(), tmp_path)
@@ -142,7 +142,7 @@ def test_cpu_variant_runs_two_iterations(tmp_path):
 @pytest.mark.slow  # Minutes on 2 cores: CI's slow phase (the default suite stays short).
 def test_kl_reference_run_and_resume(tmp_path):
     """kl_coef > 0: the reference policy is kept, checkpointed, and restored on resume."""
-    from bpo_jax.metrics import read_metrics
+    from bpo_jax.io.metrics import read_metrics
     from bpo_jax.train import train_and_evaluate
 
     cfg = tiny_cpu_config(**{"train.kl_coef": 0.1, "train.iterations": 1, "eval.num_tasks": 1})
@@ -164,7 +164,7 @@ def test_kl_reference_run_and_resume(tmp_path):
 @pytest.mark.parametrize("algo", ["bpo", pytest.param("ppo", marks=pytest.mark.slow)])
 def test_tree_and_critic_algorithms_run(tmp_path, algo):
     """BPO grows trees on the fork-server ALFWorld pool; PPO fits its value head."""
-    from bpo_jax.metrics import read_metrics
+    from bpo_jax.io.metrics import read_metrics
     from bpo_jax.train import train_and_evaluate
 
     cfg = tiny_cpu_config(

@@ -4,8 +4,8 @@ import numpy as np
 import pytest
 
 from bpo_jax.estimators import tree_advantages
-from bpo_jax.forest import ComputeStats, StepRecord
-from bpo_jax.forest_builder import ForestBuilder
+from bpo_jax.rollout.forest import ComputeStats, StepRecord
+from bpo_jax.rollout.forest_builder import ForestBuilder
 
 
 def step(reward=0.0, name="a"):

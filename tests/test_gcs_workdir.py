@@ -14,8 +14,8 @@ import pytest
 from fake_gcs import fake_gcs
 from test_experiments import tiny_cpu_config
 
-from bpo_jax import files
-from bpo_jax.checkpoint import Checkpointer, abstract_like
+from bpo_jax.io import files
+from bpo_jax.io.checkpoint import Checkpointer, abstract_like
 
 
 @pytest.fixture(scope="module")
@@ -86,7 +86,7 @@ def test_run_in_a_bucket_writes_there_and_resumes(store, tmp_path, monkeypatch):
     """The tiny ALFWorld run with a `gs://` workdir: nothing lands in the working directory
     (pathlib made it the local folder `gs:/bucket/run`), the run's files are objects in the
     bucket, and a second call resumes from the bucket's checkpoint for one more iteration."""
-    from bpo_jax.metrics import read_metrics
+    from bpo_jax.io.metrics import read_metrics
     from bpo_jax.train import train_and_evaluate
 
     monkeypatch.chdir(tmp_path)

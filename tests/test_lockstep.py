@@ -1,4 +1,5 @@
-"""The lockstep protocol of slice-wide sampling (`bpo_jax.lockstep`, `bpo_jax.slice_sampler`).
+"""The lockstep protocol of slice-wide sampling (`bpo_jax.multihost.lockstep`,
+`bpo_jax.multihost.slice_sampler`).
 
 Two hosts simulated in one process: this process is host 0 (its worker thread plays, its main
 thread serves the rounds), and host 1's requests come from a script through the round's gather.
@@ -13,7 +14,10 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from bpo_jax.lockstep import (
+from bpo_jax.models import config as model_config
+from bpo_jax.models import sharding
+from bpo_jax.models.llama import Transformer
+from bpo_jax.multihost.lockstep import (
     LockstepAborted,
     Request,
     blocks,
@@ -21,13 +25,10 @@ from bpo_jax.lockstep import (
     plan_round,
     run_in_lockstep,
 )
-from bpo_jax.models import config as model_config
-from bpo_jax.models import sharding
-from bpo_jax.models.llama import Transformer
-from bpo_jax.policy import Policy
+from bpo_jax.multihost.shares import play_in_shares
+from bpo_jax.multihost.slice_sampler import SliceSampler, host_row_keys, own_rows, rows_held
+from bpo_jax.sampler.policy import Policy
 from bpo_jax.sampler.tokens import row_keys
-from bpo_jax.shares import play_in_shares
-from bpo_jax.slice_sampler import SliceSampler, host_row_keys, own_rows, rows_held
 
 KEY = (tuple(int(v) for v in jax.random.key_data(jax.random.key(7))), "threefry2x32")
 
@@ -301,7 +302,7 @@ def test_host_sampling_is_refused_on_multi_host_v5e_and_v6e_slices():
 
 
 def test_prompt_and_row_checks_shared_by_both_policies():
-    from bpo_jax.policy import check_prompts_fit, check_rows
+    from bpo_jax.sampler.policy import check_prompts_fit, check_rows
 
     check_prompts_fit([[1] * 48], max_new_tokens=16, cache_len=64)
     with pytest.raises(ValueError, match="Prompt 1 has 49 tokens"):

@@ -1,4 +1,4 @@
-"""Tests for bpo_jax.metrics: JSON-lines and TensorBoard writing, and the progress bar."""
+"""Tests for bpo_jax.io.metrics: JSON-lines and TensorBoard writing, and the progress bar."""
 
 import json
 import struct
@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from tensorboardX.proto import event_pb2
 
-from bpo_jax import metrics
+from bpo_jax.io import metrics
 
 
 def read_tb_scalars(tb_dir) -> dict[str, list[tuple[int, float]]]:

@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from bpo_jax import distributed
+from bpo_jax.parallel import distributed
 
 ROOT = Path(__file__).resolve().parents[1]
 WORKER = ROOT / "tests" / "multihost_worker.py"
@@ -186,7 +186,7 @@ SLICE_WIDE = ["--config.mesh.sampler=slice", "--config.sampler.prefix_reuse=Fals
 @pytest.mark.timeout(3600)  # Two runs, mostly compiling; measured in the test's print.
 def test_two_processes_sampling_slice_wide_match_one(tmp_path):
     """`mesh.sampler=slice`: every sampler program over both processes' 4 devices, each
-    process's rows a block of the batch (`bpo_jax.slice_sampler`), against one process."""
+    process's rows a block of the batch (`bpo_jax.multihost.slice_sampler`), against one process."""
     two, one = tmp_path / "two", tmp_path / "one"
     t0 = time.time()
     outs = _run_two(two, SLICE_WIDE)
@@ -225,10 +225,10 @@ def test_merged_forest_keeps_every_share_s_values_and_weights():
     import jax
     from test_engine_mdp import TabularPolicy, encode
 
-    from bpo_jax.branching import CostModel, LengthModel, make_selector
     from bpo_jax.estimators import step_advantages
-    from bpo_jax.rollout import TreeSpec, play_forest
-    from bpo_jax.shares import merge_forests
+    from bpo_jax.multihost.shares import merge_forests
+    from bpo_jax.rollout.branching import CostModel, LengthModel, make_selector
+    from bpo_jax.rollout.engine import TreeSpec, play_forest
     from envs.sandbox import SandboxPool
     from envs.tabular import load_tasks, make_mdp, random_logits
 

@@ -2,7 +2,8 @@
 process with 4 devices, on the tiny ALFWorld config (`tests/multihost_worker.py`).
 
 PPO is the one algorithm with a second model, the critic (a value head on the policy's
-features, `bpo_jax.critic`): its features are computed by a program over the global mesh, whose
+features, `bpo_jax.learner.critic`): its features are computed by a program over the global mesh,
+whose
 parameters live on both hosts, and its head is fitted on every host. Both runs split every batch
 of tasks into the same two shares, so their rollouts, values, advantages and updates, and hence
 the policy's and the critic's parameters, must agree.

@@ -5,10 +5,15 @@ import pytest
 import scipy.stats
 from test_engine_mdp import assert_matches_exact, sampled_gradients
 
-from bpo_jax.branching import CostModel, LengthModel, action_distribution_entropy, make_selector
-from bpo_jax.forest_builder import ForestBuilder
-from bpo_jax.planner import BranchPlanner
-from bpo_jax.rollout import TreeSpec
+from bpo_jax.rollout.branching import (
+    CostModel,
+    LengthModel,
+    action_distribution_entropy,
+    make_selector,
+)
+from bpo_jax.rollout.engine import TreeSpec
+from bpo_jax.rollout.forest_builder import ForestBuilder
+from bpo_jax.rollout.planner import BranchPlanner
 
 
 def planner(mode, budget, seed=0, horizon=4):
@@ -198,7 +203,7 @@ def test_action_samples_rule_gives_exact_gradients_and_iid_children():
 
 
 def test_score_history_ranks_thresholds_and_round_trip():
-    from bpo_jax.branching import ScoreHistory
+    from bpo_jax.rollout.branching import ScoreHistory
 
     h = ScoreHistory(window=400, min_history=4)
     assert np.isnan(h.rank(1.0, 0))  # No history: no rank.

@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 from test_experiments import tiny_cpu_config
 
-from bpo_jax import probe, stats
 from bpo_jax.config import validate
+from bpo_jax.study import probe, stats
 from envs.sandbox import SandboxPool
 from envs.tabular import load_tasks, make_mdp, objective_grad, random_logits
 from envs.tabular.policy import TabularPolicy, encode_state, forest_task_gradients

@@ -17,13 +17,13 @@ import pytest
 from flax import nnx
 
 from bpo_jax.agent import SPECIAL_SYMBOLS
-from bpo_jax.branching import CostModel, EntropySelector, LengthModel, make_selector
 from bpo_jax.config import validate
 from bpo_jax.estimators import tree_advantages
 from bpo_jax.models import config as model_config
 from bpo_jax.models.llama import Transformer
-from bpo_jax.policy import Policy
-from bpo_jax.rollout import TreeSpec, play, play_forest, prompt_encoder
+from bpo_jax.rollout.branching import CostModel, EntropySelector, LengthModel, make_selector
+from bpo_jax.rollout.engine import TreeSpec, play, play_forest, prompt_encoder
+from bpo_jax.sampler.policy import Policy
 from bpo_jax.tokenizer import train_sentencepiece
 from envs.base import make_env, step_result
 from envs.sandbox import SandboxPool
@@ -340,7 +340,7 @@ def walker(policy):
 def test_gradient_probe_reports_matched_compute_variances(pool, walker):
     from test_experiments import tiny_cpu_config
 
-    from bpo_jax.probe import ModelGradients, run_probe
+    from bpo_jax.study.probe import ModelGradients, run_probe
 
     policy = walker
     tasks = [CounterTask(task_id=f"walk-{i}", start=0, target=2) for i in range(2)]

@@ -17,10 +17,10 @@ import jax
 import numpy as np
 import pytest
 
-from bpo_jax.branching import CostModel, LengthModel, make_selector
 from bpo_jax.estimators import step_advantages
-from bpo_jax.rollout import TreeSpec, play, play_forest
-from bpo_jax.timing import env_floor_metrics
+from bpo_jax.rollout.branching import CostModel, LengthModel, make_selector
+from bpo_jax.rollout.engine import TreeSpec, play, play_forest
+from bpo_jax.rollout.timing import env_floor_metrics
 from envs.sandbox import SandboxError, SandboxPool, procutil
 from envs.sandbox.testing import CounterTask, leftover_processes
 from envs.tabular import exact, load_tasks, make_mdp, random_logits
@@ -204,7 +204,7 @@ def _shape(forest):
 def test_cohorts_grow_the_same_forests_as_lockstep(rule, spec):
     """Greedy actions and rules that look at each path's own steps: nothing a cohort does
     depends on the others, so every tree is the same (a rule with a pooled history, or a
-    budget coin, sees the cohorts' turns in another order; see `bpo_jax.rollout`)."""
+    budget coin, sees the cohorts' turns in another order; see `bpo_jax.rollout.engine`)."""
 
     def grow(cohorts, backend="inprocess"):
         if rule is None:
@@ -232,7 +232,7 @@ def _tiny_policy(tmp_path, prefix_reuse):
     from bpo_jax.agent import SPECIAL_SYMBOLS
     from bpo_jax.models import config as model_config
     from bpo_jax.models.llama import Transformer
-    from bpo_jax.policy import Policy
+    from bpo_jax.sampler.policy import Policy
     from bpo_jax.tokenizer import train_sentencepiece
 
     words = ["inc", "dec", "double", "add 1", "add 2", "count=", "steps=", "trace="]
@@ -249,7 +249,7 @@ def _tiny_policy(tmp_path, prefix_reuse):
 def test_each_cohort_continues_its_own_prefixes(tmp_path):
     """With prefix reuse, cohorts taking turns prefill what lockstep prefills (a prefix cache
     shared by the cohorts would continue the other cohort's prompts: nothing reused)."""
-    from bpo_jax.rollout import prompt_encoder
+    from bpo_jax.rollout.engine import prompt_encoder
 
     reuse = _tiny_policy(tmp_path, True)
     plain = _tiny_policy(tmp_path, False)

@@ -9,9 +9,9 @@ from flax import nnx
 
 from bpo_jax import learner
 from bpo_jax.builders import make_critic
-from bpo_jax.checkpoint import Checkpointer
 from bpo_jax.config import validate
 from bpo_jax.experiment import load_experiment
+from bpo_jax.io.checkpoint import Checkpointer
 from bpo_jax.models import config as model_config
 from bpo_jax.models.factory import create_model
 from bpo_jax.run_state import initial_state

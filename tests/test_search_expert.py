@@ -113,7 +113,7 @@ def test_an_action_the_game_refuses_is_not_repeated():
 @pytest.fixture(scope="module")
 def played():
     """The searching demonstrator's episodes on four real training games (both task types)."""
-    from bpo_jax.demos import play_search
+    from bpo_jax.agent.demos import play_search
     from envs.alfworld import load_tasks
     from envs.sandbox import SandboxPool
 

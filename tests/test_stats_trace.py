@@ -1,11 +1,11 @@
-"""Covariance-trace statistics of `bpo_jax.stats` (the probe's and the variance map's)."""
+"""Covariance-trace statistics of `bpo_jax.study.stats` (the probe's and the variance map's)."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from bpo_jax import stats
+from bpo_jax.study import stats
 
 
 def test_trace_covariance_by_hand():

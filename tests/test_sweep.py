@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from bpo_jax import sweep as sweep_lib
+from bpo_jax.study import sweep as sweep_lib
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -62,7 +62,8 @@ if __name__ == "__main__":
     app.run(main)
 """
 
-# A stand-in for bpo_jax.probe: the probe's flags; it reads the start's "checkpoint" and writes
+# A stand-in for bpo_jax.study.probe: the probe's flags; it reads the start's "checkpoint" and
+# writes
 # the probe's config.json and probe.json.
 FAKE_PROBE = """
 import json, sys
@@ -113,7 +114,7 @@ def get_config(arg=None):
 """
 
 SWEEP = """
-from bpo_jax.sweep import Ablation, Probe, Sweep
+from bpo_jax.study.sweep import Ablation, Probe, Sweep
 
 
 def get_sweep():
@@ -261,8 +262,8 @@ def test_parallel_runs_overlap(setup, tmp_path):
 
 def test_ctrl_c_terminates_children_and_a_rerun_resumes(setup, tmp_path):
     sweep_file, workdir = setup(sleep=1.0), tmp_path / "runs"
-    cmd = [sys.executable, "-m", "bpo_jax.sweep", f"--sweep={sweep_file}", f"--workdir={workdir}",
-           "--module=fake_main"]  # fmt: skip
+    cmd = [sys.executable, "-m", "bpo_jax.study.sweep", f"--sweep={sweep_file}",
+           f"--workdir={workdir}", "--module=fake_main"]  # fmt: skip
     # SIGINT back to its default: a shell without job control starts background commands with
     # it ignored, and Python then installs no KeyboardInterrupt handler.
     proc = subprocess.Popen(
@@ -468,7 +469,7 @@ def test_record_difference_ignores_clocks_and_cache_hits(tmp_path):
 
 
 def test_the_probe_of_the_start_runs_after_it_and_its_record_lands(setup, tmp_path):
-    from bpo_jax import tables
+    from bpo_jax.study import tables
 
     sweep_file = setup(
         shared_bc=True, extra="bc_once=True, probe=Probe(algos=('rloo', 'bpo'), batches=8),"
@@ -477,7 +478,7 @@ def test_the_probe_of_the_start_runs_after_it_and_its_record_lands(setup, tmp_pa
     runs = sweep_lib.expand(sweep_lib.load_sweep(sweep_file))
     assert [r.name for r in runs] == ["bc/shared", "probe/shared", *NAMES]
     cmd = runs[1].command(workdir)
-    assert cmd[2] == "bpo_jax.probe" and cmd[-2:] == ["--algos=rloo,bpo", "--batches=8"]
+    assert cmd[2] == "bpo_jax.study.probe" and cmd[-2:] == ["--algos=rloo,bpo", "--batches=8"]
     assert f"--config.init_from={workdir / 'bc/shared'}" in cmd
     out = io.StringIO()
     statuses = sweep_lib.run_sweep(

@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from bpo_jax import stats, tables
+from bpo_jax.study import stats, tables
 
 REPO = Path(__file__).resolve().parents[1]
 BC_STEPS = 10  # RL starts at update step 10; two updates per iteration.
@@ -287,7 +287,8 @@ def test_command_line(runs, tmp_path):
     summary = runs / "bc" / "seed_0" / "summary.json"
     summary.write_text(json.dumps({**json.loads(summary.read_text()), "iterations": 0}))
     proc = subprocess.run(
-        [sys.executable, "-m", "bpo_jax.tables", f"--runs={runs}", f"--out={out}", "--seed=0"],
+        [sys.executable, "-m", "bpo_jax.study.tables", f"--runs={runs}", f"--out={out}",
+         "--seed=0"],
         capture_output=True, text=True, cwd=REPO, timeout=300,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr

@@ -23,7 +23,7 @@ _WORKER = textwrap.dedent(
     jax.config.update("jax_num_cpu_devices", 2)
     import numpy as np
     from jax.sharding import NamedSharding, PartitionSpec as P
-    from bpo_jax import distributed
+    from bpo_jax.parallel import distributed
     from bpo_jax.models import sharding
 
     distributed.initialize(sys.argv[1], 2, int(sys.argv[2]))

@@ -212,7 +212,7 @@ def policy(tmp_path_factory):
     from bpo_jax.agent import SPECIAL_SYMBOLS
     from bpo_jax.models import config as model_config
     from bpo_jax.models.llama import Transformer
-    from bpo_jax.policy import Policy
+    from bpo_jax.sampler.policy import Policy
     from bpo_jax.tokenizer import train_sentencepiece
 
     words = ["left", "right", "You", "are", "at", "the", "entrance", "then", "Forks", "Paths:"]
@@ -233,9 +233,9 @@ def test_bpo_forest_on_the_fork_backend(policy):
     """play_forest grows BPO trees over the user env; every path replays on a fresh env."""
     import jax
 
-    from bpo_jax.branching import CostModel, LengthModel, make_selector
     from bpo_jax.estimators import tree_advantages
-    from bpo_jax.rollout import TreeSpec, play_forest, prompt_encoder
+    from bpo_jax.rollout.branching import CostModel, LengthModel, make_selector
+    from bpo_jax.rollout.engine import TreeSpec, play_forest, prompt_encoder
 
     spec = TreeSpec(root_group=2, num_branches=2, branch_budget=2, max_depth=2)
     tasks = TASKS[:2]

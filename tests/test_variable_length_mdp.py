@@ -18,9 +18,9 @@ import jax
 import numpy as np
 import pytest
 
-from bpo_jax.branching import CostModel, LengthModel, make_selector
 from bpo_jax.estimators import step_advantages
-from bpo_jax.rollout import TreeSpec, play_forest
+from bpo_jax.rollout.branching import CostModel, LengthModel, make_selector
+from bpo_jax.rollout.engine import TreeSpec, play_forest
 from envs import base as env_base
 from envs.sandbox import SandboxPool
 from envs.tabular import exact, load_tasks, make_mdp, random_logits

@@ -575,7 +575,7 @@ def test_experiment_config_shares_catalog_fields():
 @pytest.mark.slow
 def test_cpu_variant_trains_two_iterations(tmp_path):
     """The webshop cpu config, shrunk, runs BC and two GRPO iterations end to end."""
-    from bpo_jax.metrics import read_metrics
+    from bpo_jax.io.metrics import read_metrics
     from bpo_jax.train import train_and_evaluate
 
     cfg = _experiment().get_config("cpu")

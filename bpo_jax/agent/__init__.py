@@ -1,4 +1,7 @@
-"""The agent's turn formats: how a prompt is built from an episode and an action parsed back.
+"""The agent's turn formats: how a prompt is built from an episode and an action parsed back,
+and the expert demonstrations written in them (`demos`, what behaviour cloning trains on).
+
+May import: io.
 
 Two formats, chosen by `config.agent.format`:
 - `tiny` (`bpo_jax.agent.tiny`, the CPU default): tagged plain text (`<task> ... <room> ...

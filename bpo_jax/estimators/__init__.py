@@ -1,5 +1,7 @@
 """Advantage estimators over a forest of segments, as jitted segment-sum kernels.
 
+May import: nothing from bpo_jax.
+
 The forest (see DESIGN.md) is a set of flat arrays. A *node* is a sandbox state with two or
 more children (a task's initial state, or a branch point); a *segment* is a run of steps from a
 node to the next node or to termination:

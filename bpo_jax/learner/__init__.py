@@ -1,5 +1,7 @@
 """The learner: losses, the jitted update step, and its host side.
 
+May import: models, parallel.
+
 Everything here is a pure function of arrays. A batch is a set of right-padded token
 sequences (prompt + action) with a mask on the action tokens: the only tokens that are trained.
 

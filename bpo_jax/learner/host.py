@@ -21,7 +21,6 @@ from collections.abc import Callable, Sequence
 import jax
 import numpy as np
 
-from bpo_jax import distributed
 from bpo_jax.learner.batch import pad_batch
 from bpo_jax.learner.losses import pg_loss
 from bpo_jax.learner.step import (
@@ -32,6 +31,7 @@ from bpo_jax.learner.step import (
     make_zero_step,
     state_shardings,
 )
+from bpo_jax.parallel import distributed
 
 log = logging.getLogger(__name__)
 

@@ -30,7 +30,7 @@ from etils import epath
 from flax import nnx
 from jax.sharding import Mesh
 
-from bpo_jax import files
+from bpo_jax.io import files
 from bpo_jax.models.config import ModelConfig, RopeScaling
 from bpo_jax.models.factory import abstract_model, param_specs
 from bpo_jax.models.llama import Transformer

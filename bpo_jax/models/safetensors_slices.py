@@ -26,7 +26,7 @@ from collections.abc import Callable, Sequence
 import ml_dtypes
 import numpy as np
 
-from bpo_jax import files
+from bpo_jax.io import files
 
 # safetensors dtype names -> numpy (all little-endian, as the format stores them).
 _DTYPES = {

@@ -1,6 +1,8 @@
 """A jitted KV-cache sampler for language agents, with forking for BPO's branch points.
 
-What the rollouts use (through `bpo_jax.policy.Policy`), once per agent turn:
+May import: models, parallel.
+
+What the rollouts use (through `bpo_jax.sampler.policy.Policy`), once per agent turn:
 
     sampler = Sampler(graphdef, eos_ids=[eos], pad_id=pad, max_new_tokens=64)
     state = sampler.prefill(params, init_cache(cfg, batch, capacity), prompts)

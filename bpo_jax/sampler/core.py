@@ -1,6 +1,6 @@
 """The `Sampler`: jitted prefill / generate / fork over a model's graphdef.
 
-What a rollout does with it (through `bpo_jax.policy.Policy`):
+What a rollout does with it (through `bpo_jax.sampler.policy.Policy`):
 
     sampler = Sampler(graphdef, eos_ids=[eos], pad_id=pad, max_new_tokens=64)
     state = sampler.prefill(params, init_cache(cfg, batch, capacity), prompts)
@@ -278,7 +278,7 @@ class Sampler:
         """The jitted prefill (`programs.prefill_program`) for caches whose rows `mesh` splits.
 
         Public for callers that run it on arrays the host cannot read whole, such as a slice's
-        global batch (`bpo_jax.slice_sampler`); `prefill` is the checked way in.
+        global batch (`bpo_jax.multihost.slice_sampler`); `prefill` is the checked way in.
         """
         if mesh not in self._prefill_fns:
             self._prefill_fns[mesh] = programs.prefill_program(

@@ -76,7 +76,7 @@ def _as_matrix(prompts: Sequence[np.ndarray]) -> np.ndarray:
 class PrefixCache:
     """Prefills prompts as continuations of the contexts kept from the previous call.
 
-    Example (what `bpo_jax.policy.Policy` does each turn):
+    Example (what `bpo_jax.sampler.policy.Policy` does each turn):
 
         prefixes = PrefixCache(sampler, lambda b: init_cache(cfg, b, capacity))
         state = prefixes.prefill(params, prompts)   # state.prefilled_b: tokens run per row

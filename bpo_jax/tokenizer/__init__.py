@@ -1,5 +1,7 @@
 """One tokenizer interface over SentencePiece models and Hugging Face `tokenizer.json` files.
 
+May import: io.
+
 Everything downstream (rollouts, loss masks, evaluation) talks to `Tokenizer` and never to a
 backend library, so a run can switch between a SentencePiece model trained on the environment's
 own text (`train_sentencepiece`, handy for tiny models and tests) and a pretrained checkpoint's
@@ -22,7 +24,7 @@ from __future__ import annotations
 
 import os
 
-from bpo_jax import files
+from bpo_jax.io import files
 from bpo_jax.tokenizer.base import SP_BOS_ID, SP_EOS_ID, SP_PAD_ID, SP_UNK_ID, Tokenizer
 from bpo_jax.tokenizer.hf import HFTokenizer
 from bpo_jax.tokenizer.sp import SentencePieceTokenizer, train_sentencepiece

@@ -11,7 +11,7 @@ import numpy as np
 import tokenizers
 from etils import epath
 
-from bpo_jax import files
+from bpo_jax.io import files
 from bpo_jax.tokenizer.base import Tokenizer, _as_id_list, _with_specials
 from bpo_jax.tokenizer.chat_template import SPECIAL_TOKEN_NAMES, ChatTemplate
 

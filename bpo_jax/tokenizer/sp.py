@@ -9,7 +9,7 @@ from collections.abc import Iterable, Iterator, Sequence
 import numpy as np
 import sentencepiece as spm
 
-from bpo_jax import files
+from bpo_jax.io import files
 from bpo_jax.tokenizer.base import (
     _SP_MIN_VOCAB,
     SP_BOS_ID,

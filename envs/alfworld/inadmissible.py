@@ -3,7 +3,7 @@
 A policy cloned from an expert only ever sees the expert's own states; when it makes a mistake
 at test time (a receptacle that is not in the room, a number one too high) the game answers
 "Nothing happens.", and the policy, which never saw that after its own command, tends to repeat
-itself to the step limit. Recovery examples (`bc.recovery`, `bpo_jax.demos.bc_examples`) put
+itself to the step limit. Recovery examples (`bc.recovery`, `bpo_jax.agent.demos.bc_examples`) put
 one or two such turns into a demo's history and keep the expert's action as the label. That is
 exact, not an approximation of the expert: a command the game cannot execute changes nothing
 in the game, so the expert's action after it is the one it took.

@@ -1,6 +1,6 @@
 """A softmax policy over a logits table, with the language-model policy's sampling interface.
 
-`bpo_jax.rollout.play_forest` drives any object with `prefill(prompts) -> ctx`,
+`bpo_jax.rollout.engine.play_forest` drives any object with `prefill(prompts) -> ctx`,
 `next_token_entropy(ctx)` and `sample(ctx, rng, rows=None, greedy=False, keep_context=False)`.
 `TabularPolicy` is that object for a `TreeMDP`: a prompt is the one-token list `[state id]`
 (`encode_state` reads it from the episode's observation), an action's single "token" is its
@@ -32,7 +32,8 @@ class _Context(list):
 
 
 class ActionSample:
-    """One sampled action, as `bpo_jax.policy.ActionSample` has it (token ids, text, ...)."""
+    """One sampled action, as `bpo_jax.sampler.policy.ActionSample` has it (token ids, text,
+    ...)."""
 
     __slots__ = ("entropies", "logprobs", "text", "token_ids")
 
@@ -104,7 +105,7 @@ def forest_task_gradients(forest, policy: TabularPolicy, step_coef) -> np.ndarra
     """Per task of a tabular forest: `sum over its steps of coef * grad log pi(a | s)`.
 
     Args:
-        forest: a `bpo_jax.forest.RolloutForest` played with `policy` (prompts = [state]).
+        forest: a `bpo_jax.rollout.forest.RolloutForest` played with `policy` (prompts = [state]).
         policy: the policy that played it.
         step_coef: float[num_steps] in `forest.steps()` order (weight * advantage).
 

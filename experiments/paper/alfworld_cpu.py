@@ -1,8 +1,9 @@
 r"""The CPU table: BPO, GRPO and RLOO on ALFWorld's `cpu` variant, 5 paired seeds.
 
-  python -m bpo_jax.sweep --sweep=experiments/paper/alfworld_cpu.py --workdir=runs/alfworld_cpu \
+  python -m bpo_jax.study.sweep --sweep=experiments/paper/alfworld_cpu.py
+  --workdir=runs/alfworld_cpu \
       --commit_to=results/alfworld_cpu
-  python -m bpo_jax.tables --runs=results/alfworld_cpu --out=docs/results/alfworld_cpu
+  python -m bpo_jax.study.tables --runs=results/alfworld_cpu --out=docs/results/alfworld_cpu
 
 WHY THIS CONFIGURATION (written 2026-12-01, before any run of this sweep; never tuned on its
 results or on the held-out games):
@@ -30,7 +31,7 @@ STATUS (2026-12-03, session 15): DONE. bc/shared, seeds 0-4 (bpo, grpo, rloo) an
 the start (PROBE), records in results/alfworld_cpu/, tables in docs/results/alfworld_cpu/, what
 they say in docs/results.md (no difference between the three algorithms). The start re-runs
 bit for bit only on the kind of CPU that made it (AMD EPYC; not on an Intel Xeon): the sweep
-refuses a re-run start that differs from its record (bpo_jax/sweep.py). The start policy
+refuses a re-run start that differs from its record (bpo_jax/study/sweep.py). The start policy
 was chosen (below) on the 55 development games held out of the training games
 (`env.dev_fraction=0.3`), never on the tables' games (docs/start_policy.md):
   - search demos (the demonstrator that reads only the text), recovery examples 0.5, 2 turns of
@@ -59,7 +60,7 @@ The fields a reader changes:
   - `ABLATIONS`: K, branch budget, selection rule, step weighting, normalisation (BPO only).
 """
 
-from bpo_jax.sweep import Ablation, Probe, Sweep
+from bpo_jax.study.sweep import Ablation, Probe, Sweep
 
 CONFIG = "experiments/alfworld.py:cpu"  # The experiment file and its variant (no algo=).
 ALGOS = ("bpo", "grpo", "rloo")

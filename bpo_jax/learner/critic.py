@@ -16,7 +16,7 @@ import numpy as np
 import optax
 from flax import nnx
 
-from bpo_jax import distributed
+from bpo_jax.parallel import distributed
 
 
 def init_value_head(key, dim: int, hidden: int = 256) -> dict:

@@ -1,6 +1,6 @@
 """The branch planner: which live paths branch at this turn, under the branch rule and budget.
 
-It combines a branch rule (`bpo_jax.branching`, a function of each path's h_t) with the
+It combines a branch rule (`bpo_jax.rollout.branching`, a function of each path's h_t) with the
 per-backbone branch budget, the depth limit and the task's compute budget. It knows paths only
 by their task, backbone, depth and step count (`LivePath`), never by their outcomes, so the
 number of children a node gets cannot depend on those children's returns (DESIGN.md).
@@ -43,8 +43,14 @@ import math
 
 import numpy as np
 
-from bpo_jax.branching import BranchSelector, CostModel, LengthModel, PostHocTopK, action_entropy
-from bpo_jax.forest_builder import LivePath
+from bpo_jax.rollout.branching import (
+    BranchSelector,
+    CostModel,
+    LengthModel,
+    PostHocTopK,
+    action_entropy,
+)
+from bpo_jax.rollout.forest_builder import LivePath
 
 
 class BranchPlanner:

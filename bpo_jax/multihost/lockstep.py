@@ -2,7 +2,7 @@
 
 Why: on TPU slices with limited ICI routing (v5e, v6e) libtpu refuses a program whose devices
 are a subset of the slice's chips ("device assignment should include all slice devices"), so a
-host cannot sample on its own chips (`mesh.sampler="host"`, `bpo_jax.shares`). With
+host cannot sample on its own chips (`mesh.sampler="host"`, `bpo_jax.multihost.shares`). With
 `mesh.sampler="slice"` every sampler program runs over the global mesh, with the parameters in
 the train state's sharding, and every host takes part in every program. But the rollouts' calls
 are data-dependent: each host's trees, episode lengths, batch sizes, greedy or sampled turns
@@ -17,7 +17,8 @@ different call sequences into one sequence of rounds that all hosts run alike:
     key data are a few kB), so every host knows every request and computes the same plan
     (`plan_round`): the requests grouped by what must be one program (`group_key`: the kind,
     and greedy or not for samples), in a canonical order. For each group every host runs the
-    same global program (the `executor`, `bpo_jax.slice_sampler.SliceSampler`), a host without
+    same global program (the `executor`, `bpo_jax.multihost.slice_sampler.SliceSampler`), a host
+    without
     a request of that group contributing filler rows; each host's rows are one block of R rows
     (`blocks`), R the largest batch bucket of the group's hosts. The round's answer goes back to
     the worker, and the next round starts. A host whose worker has ended takes part with its end
@@ -29,7 +30,7 @@ different call sequences into one sequence of rounds that all hosts run alike:
   * Randomness stays each host's own: a sample request carries its key, and row j of host p's
     block draws with `fold_in(key_p, j)`, as row j of a one-process batch does, so a row's
     tokens do not depend on the other hosts' rows (up to the float rounding of other batch
-    shapes, see `bpo_jax.slice_sampler`).
+    shapes, see `bpo_jax.multihost.slice_sampler`).
   * Failures end every host: a worker's exception is announced as a "failed" request, the
     other hosts' workers are answered with `LockstepAborted`, and each host raises (its worker's
     own error where it failed), so no host waits forever in a collective. An error in a program
@@ -57,8 +58,8 @@ from typing import Any
 import jax
 import numpy as np
 
-from bpo_jax import distributed
-from bpo_jax.policy import action_samples, batch_bucket, check_prompts_fit, check_rows
+from bpo_jax.parallel import distributed
+from bpo_jax.sampler.policy import action_samples, batch_bucket, check_prompts_fit, check_rows
 from bpo_jax.sampler.tokens import typed_key
 
 log = logging.getLogger(__name__)
@@ -245,7 +246,7 @@ class SliceContext:
 
 
 class LockstepPolicy:
-    """What a worker's rollouts see as the policy: `bpo_jax.policy.Policy`'s calls, each one
+    """What a worker's rollouts see as the policy: `bpo_jax.sampler.policy.Policy`'s calls, each one
     posted to the main thread (`_Channel.call`) and answered once the hosts ran its round."""
 
     def __init__(self, channel: _Channel, policy):

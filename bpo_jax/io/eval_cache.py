@@ -3,7 +3,7 @@
 In a sweep every algorithm of a seed starts RL from one policy, so their before-RL evaluations
 play identical episodes: the same parameters, the same games, the same keys. On the CPU tables
 one evaluation (90 held-out games, greedy and sampled, up to 32 steps) costs about as much as
-ten RL iterations, so the sweep shares them (`eval.cache_dir`, set by `bpo_jax.sweep`).
+ten RL iterations, so the sweep shares them (`eval.cache_dir`, set by `bpo_jax.study.sweep`).
 
 A result is stored under a SHA-256 of everything that decides the episodes:
   - the policy's parameters (every leaf's dtype, shape and bytes);
@@ -26,7 +26,7 @@ import json
 import jax
 import numpy as np
 
-from bpo_jax import files
+from bpo_jax.io import files
 
 __all__ = ["EvalCache", "fingerprint"]
 

@@ -1,6 +1,7 @@
 """Slice-wide sampling (`mesh.sampler="slice"`): the hosts' policy calls as global programs.
 
-The executor of `bpo_jax.lockstep`'s rounds: every host runs `SliceSampler.run` for each group
+The executor of `bpo_jax.multihost.lockstep`'s rounds: every host runs `SliceSampler.run` for each
+group
 of a round, with every host's requests in hand, so each program is one SPMD program over the
 global mesh with the parameters as the train state holds them (no host copy). Host p's rows are
 block p of the global batch (`lockstep.blocks`), filler rows where it has fewer (or none).
@@ -34,11 +35,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from bpo_jax import distributed, lockstep
 from bpo_jax.models.kv_cache import init_cache
 from bpo_jax.models.sharding import named_sharding
-from bpo_jax.policy import next_token_entropies
+from bpo_jax.multihost import lockstep
+from bpo_jax.parallel import distributed
 from bpo_jax.sampler.contexts import PrefillState, regroup
+from bpo_jax.sampler.policy import next_token_entropies
 from bpo_jax.sampler.replicas import row_mesh
 from bpo_jax.sampler.tokens import row_keys
 

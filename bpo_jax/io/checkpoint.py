@@ -36,7 +36,7 @@ import orbax.checkpoint as ocp
 from etils import epath
 from jax.sharding import NamedSharding, SingleDeviceSharding
 
-from bpo_jax import files
+from bpo_jax.io import files
 
 PyTree = Any
 
@@ -202,7 +202,7 @@ class Checkpointer:
 
     Args:
       directory: Where step subdirectories go: a local folder (made absolute) or a bucket URL
-        (`gs://...`, kept as it is; see `bpo_jax.files`). It is created on the first
+        (`gs://...`, kept as it is; see `bpo_jax.io.files`). It is created on the first
         save, not here, so a mistyped path given only for restoring fails loudly.
       max_to_keep: How many most recent checkpoints to keep; None keeps all.
       save_interval_steps: `save` writes steps that are multiples of this. Orbax also always

@@ -1,6 +1,7 @@
 """Cohorts of a rollout batch: groups of tasks whose turns the lockstep engine pipelines.
 
-`bpo_jax.rollout` plays a batch's tasks in cohorts (contiguous blocks of tasks, every path of a
+`bpo_jax.rollout.engine` plays a batch's tasks in cohorts (contiguous blocks of tasks, every path
+of a
 task in its task's cohort): while one cohort samples its next actions on the accelerator, the
 others' environment steps run in the sandbox workers (`SandboxPool.submit_steps`). Each cohort
 has its own PRNG key (one cohort keeps the run's key, so plain lockstep is unchanged) and its
@@ -13,7 +14,7 @@ import dataclasses
 
 import numpy as np
 
-from bpo_jax.forest_builder import LivePath
+from bpo_jax.rollout.forest_builder import LivePath
 
 __all__ = ["Cohort", "cohort_prefixes", "split_cohorts"]
 

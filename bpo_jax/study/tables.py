@@ -1,6 +1,6 @@
 r"""The paper's tables and figures from a folder of run records.
 
-  python -m bpo_jax.tables --runs=results/alfworld_cpu --out=docs/results/alfworld_cpu \
+  python -m bpo_jax.study.tables --runs=results/alfworld_cpu --out=docs/results/alfworld_cpu \
       [--baseline=rloo] [--reference=bpo] [--seed=0] [--splits=valid_seen,valid_unseen]
 
 writes `table1.json`, `table2.json`, `results.md` and PNG figures into --out.
@@ -23,7 +23,7 @@ The record it reads: every folder under --runs (recursively) with `config.json` 
     for the branch-step histogram); per update `update/grad_norm`; per evaluation
     `eval_<name>/success` at the update step it was taken at.
   - `probe.json` (optional): {"results": {algo: {"trace_var", "norm_var", ...}}} from
-    `bpo_jax.probe`; optional per-algorithm `trace_var_ratio_ci95` is used for a single probe.
+    `bpo_jax.study.probe`; optional per-algorithm `trace_var_ratio_ci95` is used for a single probe.
     Table 2 reads every `probe.json` under --runs beside a `config.json` (its seed): in a run's
     folder, or a sweep's probe of its start (`probe/shared`, no summary: not a run).
 The group (row) of a run is its sweep folder (`<group>/seed_<n>`, e.g. `bpo_k4`), else
@@ -56,8 +56,8 @@ from pathlib import Path
 import numpy as np
 from absl import app, flags
 
-from bpo_jax import stats
-from bpo_jax.records import ProbeRecord, RunRecord, find_probes, find_runs
+from bpo_jax.study import stats
+from bpo_jax.study.records import ProbeRecord, RunRecord, find_probes, find_runs
 
 FINAL = "after_rl"
 
@@ -265,7 +265,7 @@ def build_table2(
     }
     if not probes:
         table["note"] = (
-            f"no probe record with {baseline} (probe.json, from bpo_jax.probe) under --runs: "
+            f"no probe record with {baseline} (probe.json, from bpo_jax.study.probe) under --runs: "
             "no gradient-variance table."
         )
         if notes:
@@ -424,7 +424,8 @@ def results_markdown(
             )
         lines += [
             "",
-            "The 95% CI of a single probe resamples its batches (`bpo_jax.probe`); over several "
+            "The 95% CI of a single probe resamples its batches (`bpo_jax.study.probe`); "
+            "over several "
             "probes (one per seed) it resamples their ratios. Spend: the algorithm's measured "
             "cost per task over the reference's, in the same probe.",
         ]
@@ -447,7 +448,7 @@ def write_tables(
     num_resamples: int = stats.NUM_RESAMPLES,
 ) -> dict:
     """Reads the records under `runs_dir`, writes the tables and figures to `out_dir`."""
-    from bpo_jax import figures
+    from bpo_jax.study import figures
 
     # Runs without RL iterations (a sweep's shared behaviour-cloning starts) are no results.
     runs = [r for r in find_runs(runs_dir) if r.summary.get("iterations", 1) != 0]
@@ -511,7 +512,7 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    from bpo_jax import tables as _tables
+    from bpo_jax.study import tables as _tables
 
     _tables.define_flags()
     app.run(_tables.main)

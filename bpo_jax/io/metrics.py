@@ -4,7 +4,7 @@
 killed run keeps everything it logged and plotting scripts need nothing but `read_metrics`.
 TensorBoard is a convenience view of the same scalars.
 
-The workdir may be a bucket (`gs://`, see `bpo_jax.files`). An object cannot be appended to, so
+The workdir may be a bucket (`gs://`, see `bpo_jax.io.files`). An object cannot be appended to, so
 there both files are kept in memory and each write uploads them whole (one upload: a reader sees
 the file before or after the write, never part of it). Metrics are small (kilobytes a step);
 tensorboardX's own GCS writer works the same way.
@@ -26,7 +26,11 @@ import numpy as np
 import tqdm
 from etils import epath
 
-from bpo_jax import files
+from bpo_jax.io import files
+
+# Per RL iteration, `<BRANCH_STEP_PREFIX><t>` counts the batch's branch points at step t
+# (written by `bpo_jax.rl`, read by `bpo_jax.study.records`).
+BRANCH_STEP_PREFIX = "train/branch_step/"
 
 METRICS_FILE = "metrics.jsonl"
 TB_DIR = "tb"

@@ -34,7 +34,7 @@ With `entropy_per_step` the entropy threshold is a quantile of recent entropies 
 step t (the first action's entropy and the tenth's are not on one scale).
 
 The budget (matched compute) is per task, in generated tokens or environment steps; how a tree
-spends it is the branch planner's (`bpo_jax.planner`). Expected remaining costs come from
+spends it is the branch planner's (`bpo_jax.rollout.planner`). Expected remaining costs come from
 `LengthModel`, the lengths of recently finished paths; the budget's reference, the cost of an
 independent episode, from `CostModel.episodes`.
 """

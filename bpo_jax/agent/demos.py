@@ -15,8 +15,8 @@ from collections.abc import Callable, Sequence
 import numpy as np
 from etils import epath
 
-from bpo_jax import files
 from bpo_jax.agent import EpisodeText, build_prompt, encode_prompt
+from bpo_jax.io import files
 
 # Where behaviour cloning's demonstrations come from (`bc.demos`): the games' own walkthroughs
 # (the planner's, which knows the hidden state), or an environment's searching demonstrator,

@@ -11,8 +11,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
 
-from bpo_jax import distributed
 from bpo_jax.models.llama import init_cache
+from bpo_jax.parallel import distributed
 from bpo_jax.sampler import PrefillState, PrefixCache, Sampler
 
 
@@ -107,7 +107,8 @@ class Policy:
         under it; with `slice_wide` it is the global mesh.
       slice_wide: `mesh.sampler="slice"`: in a multi-host run the parameters stay as set (the
         train state's global arrays, no host copy), and the rollouts sample through
-        `bpo_jax.slice_sampler`, every host's calls joined into programs over the whole mesh;
+        `bpo_jax.multihost.slice_sampler`, every host's calls joined into programs over the whole
+        mesh;
         this object's own prefill / sample then refuse to run (they would be one host's
         programs). With one process it is the plain policy.
       prefixes: with `prefix_reuse` (the default), the `PrefixCache` that continues each
@@ -182,7 +183,7 @@ class Policy:
         if self.slice_wide:
             raise RuntimeError(
                 "A slice-wide policy (mesh.sampler='slice') samples through "
-                "bpo_jax.slice_sampler.play_slice_wide in a multi-process run (as "
+                "bpo_jax.multihost.slice_sampler.play_slice_wide in a multi-process run (as "
                 "shares.play_in_shares does), not by its own prefill/sample."
             )
         return jax.set_mesh(self.mesh)

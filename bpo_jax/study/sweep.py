@@ -1,6 +1,7 @@
 r"""Runs a sweep of experiments (algorithms x seeds x ablations), resumably, one or N at a time.
 
-  python -m bpo_jax.sweep --sweep=experiments/paper/alfworld_cpu.py --workdir=runs/alfworld_cpu \
+  python -m bpo_jax.study.sweep --sweep=experiments/paper/alfworld_cpu.py
+  --workdir=runs/alfworld_cpu \
       [--parallel=2] [--dry_run] [--commit_to=results/alfworld_cpu]
 
 A sweep file defines `get_sweep() -> Sweep`: the experiment config (with its `:variants`), the
@@ -21,13 +22,14 @@ cloning run, `bc/shared` (at the first seed), is the start of every run of every
 pretrained checkpoint is in the paper's setting: seeds then vary RL alone. A run whose start
 failed is marked failed.
 
-With `Sweep.probe` (and shared_bc), the gradient-variance probe (`bpo_jax.probe`) of each start
+With `Sweep.probe` (and shared_bc), the gradient-variance probe (`bpo_jax.study.probe`) of each
+start
 runs as soon as the start is done, as `probe/shared` (or `probe/seed_<n>`): every algorithm's
 gradient at the same parameters, matched spend, `probe.json` for Table 2. It is finished when its
 probe.json exists.
 
 With `Sweep.share_evals`, every run gets `--config.eval.cache_dir=<workdir>/eval_cache`: an
-evaluation of exactly the same episodes is played once for the sweep (`bpo_jax.eval_cache`;
+evaluation of exactly the same episodes is played once for the sweep (`bpo_jax.io.eval_cache`;
 e.g. the before-RL evaluations of the algorithms of a seed, which share their start).
 
 Resuming: a run whose `summary.json` reports `iterations == train.iterations` of its resolved
@@ -100,7 +102,7 @@ class Ablation:
 
 @dataclasses.dataclass(frozen=True)
 class Probe:
-    """The gradient-variance probe (`bpo_jax.probe`) of a sweep's start policy: every
+    """The gradient-variance probe (`bpo_jax.study.probe`) of a sweep's start policy: every
     algorithm's gradient at the same parameters, the first algorithm the reference.
 
     Attributes:
@@ -165,14 +167,14 @@ class Run:
     overrides: tuple[str, ...]  # --config.<field>=<value> flags.
     init_from: str = ""  # Name of the run (in the same sweep) whose policy RL starts from.
     share_evals: bool = False  # Evaluations go through the sweep's cache (`EVAL_CACHE`).
-    probe_flags: tuple[str, ...] = ()  # Set for a probe (`bpo_jax.probe`), not a main job.
+    probe_flags: tuple[str, ...] = ()  # Set for a probe (`bpo_jax.study.probe`), not a main job.
 
     @property
     def is_probe(self) -> bool:
         return bool(self.probe_flags)
 
     def command(
-        self, workdir: Path, module: str = "bpo_jax.main", probe_module: str = "bpo_jax.probe"
+        self, workdir: Path, module: str = "bpo_jax.main", probe_module: str = "bpo_jax.study.probe"
     ) -> list[str]:
         run_dir = workdir / self.name
         module = probe_module if self.is_probe else module
@@ -298,7 +300,7 @@ def load_sweep(path: str | Path) -> Sweep:
     sweep = module.get_sweep()
     if not isinstance(sweep, Sweep):
         raise TypeError(
-            f"{path}: get_sweep() returned {type(sweep).__name__}, not bpo_jax.sweep.Sweep."
+            f"{path}: get_sweep() returned {type(sweep).__name__}, not bpo_jax.study.sweep.Sweep."
         )
     return sweep
 
@@ -441,7 +443,7 @@ def run_sweep(
     dry_run: bool = False,
     commit_to: str | Path | None = None,
     module: str = "bpo_jax.main",
-    probe_module: str = "bpo_jax.probe",
+    probe_module: str = "bpo_jax.study.probe",
     out=None,
     allow_changed_start: bool = False,
 ) -> dict[str, str]:
@@ -725,7 +727,7 @@ def main(argv):
 
 if __name__ == "__main__":
     # Run the importable module's main, so that sweep files and this command share one `Sweep`.
-    from bpo_jax import sweep as _sweep
+    from bpo_jax.study import sweep as _sweep
 
     _sweep.define_flags()
     app.run(_sweep.main)

@@ -26,7 +26,7 @@ of about sqrt(2 / sketch_dim)); `exact_trace_var` is the exact batch-level trace
 M = 64 batches by default: with M = 6, 95% of estimates of a true ratio of 1.34 fall in
 [0.63, 2.79]; with M = 64, in [1.09, 1.64] (issue 13).
 
-  python -m bpo_jax.probe --config=experiments/alfworld.py:cpu --workdir=runs/alfworld_cpu \
+  python -m bpo_jax.study.probe --config=experiments/alfworld.py:cpu --workdir=runs/alfworld_cpu \
       --algos=rloo,bpo --batches=64
 
 reads the run's latest checkpoint (the policy after BC/RL), writes `probe.json` in the workdir
@@ -34,7 +34,7 @@ and the `probe/*` ratios into its metrics, and prints one line per recorded batc
 batch is kept in `probe_batches/` as it finishes (`ProbeStore`): re-running an interrupted probe
 resumes after its last batch. A workdir without a checkpoint probes the run that
 `--config.init_from` names (a sweep's probe of its behaviour-cloning start, `Sweep.probe`), and
-gets the probe's `config.json` (the record `bpo_jax.tables` reads the seed from).
+gets the probe's `config.json` (the record `bpo_jax.study.tables` reads the seed from).
 
 `run_probe` takes any policy and gradient function: tests/test_probe.py runs it on the tabular
 MDPs with an exact softmax-table gradient.
@@ -53,13 +53,15 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from bpo_jax import files, learner, stats
+from bpo_jax import learner
 from bpo_jax.algorithms import ALGORITHMS
 from bpo_jax.builders import make_agent, make_critic
 from bpo_jax.config import ExperimentConfig
+from bpo_jax.io import files
 from bpo_jax.learner import round_up
 from bpo_jax.rl import RolloutState, forest_advantages, tree_spec
-from bpo_jax.rollout import play_forest
+from bpo_jax.rollout.engine import play_forest
+from bpo_jax.study import stats
 
 
 def make_grad_fn(graphdef, temperature: float, loss_agg: str):
@@ -497,9 +499,9 @@ def main(argv):
     from flax import nnx
 
     from bpo_jax import builders
-    from bpo_jax.checkpoint import Checkpointer
     from bpo_jax.config import validate
-    from bpo_jax.metrics import MetricWriter
+    from bpo_jax.io.checkpoint import Checkpointer
+    from bpo_jax.io.metrics import MetricWriter
     from bpo_jax.models import sharding
     from bpo_jax.run_state import initial_state
 

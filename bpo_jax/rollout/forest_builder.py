@@ -1,6 +1,7 @@
 """Building a rollout forest step by step: pure bookkeeping, no sandboxes and no policy.
 
-The lockstep loop (`bpo_jax.rollout`) tells a `ForestBuilder` what happened: a path started at
+The lockstep loop (`bpo_jax.rollout.engine`) tells a `ForestBuilder` what happened: a path started
+at
 a task's root, took a step, branched into K children at its current state, or ended. The
 builder keeps the segments, nodes and leaves (DESIGN.md, "The forest") and hands back a
 `RolloutForest`. Because it only sees these events it is tested on its own, with forests made by
@@ -15,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from bpo_jax.forest import ComputeStats, Leaf, RolloutForest, Segment, StepRecord
+from bpo_jax.rollout.forest import ComputeStats, Leaf, RolloutForest, Segment, StepRecord
 
 
 @dataclasses.dataclass

@@ -1,4 +1,4 @@
-"""The PNG figures of `bpo_jax.tables` (matplotlib, Agg backend: no display needed).
+"""The PNG figures of `bpo_jax.study.tables` (matplotlib, Agg backend: no display needed).
 
 Each figure is drawn only when the records hold its data; otherwise the returned mapping gets
 a `note:<figure>` entry saying why, which results.md prints.
@@ -11,7 +11,7 @@ from pathlib import Path
 
 import numpy as np
 
-from bpo_jax.records import RunRecord
+from bpo_jax.study.records import RunRecord
 
 GRAD_NORM_WINDOW = 8  # Updates per rolling window of the gradient-norm variance.
 

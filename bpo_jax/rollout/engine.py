@@ -19,7 +19,7 @@ sample cohort A's turn, submit its steps (`SandboxPool.submit_steps`), sample co
 while A's environments step, collect A, submit B, sample A's next turn, ... so the accelerator
 and the environment workers work at the same time. One cohort is plain lockstep.
 
-Cohorts (`bpo_jax.cohorts`) change what is independent of the other tasks only in its order:
+Cohorts (`bpo_jax.rollout.cohorts`) change what is independent of the other tasks only in its order:
 for a deterministic policy and decisions that depend on a task's own paths, every task's tree is
 the same for any number of cohorts (its segments and leaves are numbered in another order: a
 cohort's paths are listed together). What the planner pools across tasks (the branch rule's
@@ -45,7 +45,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 from bpo_jax.agent import EpisodeText, TinyAgent, admissible_actions
-from bpo_jax.branching import (
+from bpo_jax.rollout.branching import (
     BRANCH_SCHEDULES,
     BUDGET_MODES,
     BUDGET_UNITS,
@@ -55,12 +55,12 @@ from bpo_jax.branching import (
     action_distribution_entropy,
     action_entropy,
 )
-from bpo_jax.cohorts import Cohort, split_cohorts
-from bpo_jax.forest import ComputeStats, RolloutForest, StepRecord, Trajectory
-from bpo_jax.forest_builder import ForestBuilder, LivePath
-from bpo_jax.planner import BranchPlanner
-from bpo_jax.posthoc import posthoc_branches
-from bpo_jax.timing import Timer
+from bpo_jax.rollout.cohorts import Cohort, split_cohorts
+from bpo_jax.rollout.forest import ComputeStats, RolloutForest, StepRecord, Trajectory
+from bpo_jax.rollout.forest_builder import ForestBuilder, LivePath
+from bpo_jax.rollout.planner import BranchPlanner
+from bpo_jax.rollout.posthoc import posthoc_branches
+from bpo_jax.rollout.timing import Timer
 
 __all__ = [
     "ComputeStats",
@@ -92,13 +92,13 @@ class TreeSpec:
         independent-episode algorithm spends `group_size` episodes of each task.
       budget_unit: "tokens" (generated) or "env_steps".
       budget_mode: "target" (spend it: randomised acceptance of a branch that only partly
-        fits) or "cap" (never accept one that does not fit); see `bpo_jax.planner`.
+        fits) or "cap" (never accept one that does not fit); see `bpo_jax.rollout.planner`.
       entropy_reduce: how an action's per-token entropies become one number.
       branch_schedule: "threshold" (the rule's own test) or "spread" (each backbone's branch
-        points spread over its expected remaining steps); see `bpo_jax.planner`.
+        points spread over its expected remaining steps); see `bpo_jax.rollout.planner`.
       branch_scale: `spread`'s rate multiplier (adapted across batches to spend the budget).
       probe_share: `action_samples`: the fraction of a task's slack its probes may spend
-        (1 = probe every eligible step that the slack can pay for); see `bpo_jax.planner`.
+        (1 = probe every eligible step that the slack can pay for); see `bpo_jax.rollout.planner`.
     """
 
     root_group: int
@@ -392,7 +392,7 @@ def play_forest(
     Args:
       pool: an `envs.sandbox.SandboxPool`.
       policy: an object with `prefill(prompts) -> ctx` and `sample(ctx, rng, rows=None,
-        greedy=False) -> [ActionSample]` (`bpo_jax.policy.Policy`; tests use tabular ones).
+        greedy=False) -> [ActionSample]` (`bpo_jax.sampler.policy.Policy`; tests use tabular ones).
       agent: the turn format (`bpo_jax.agent`: `encode(episode) -> ids`, `parse(text) ->
         action | None`), or a bare prompt function (episode -> ids; tiny-format parsing).
       tasks: the batch's tasks.

@@ -1,6 +1,6 @@
 """Reading run records: what `bpo_jax.main` (and the probe) leave in a run's workdir.
 
-The schema is documented at the top of `bpo_jax/tables.py`, which is what reads it. A run
+The schema is documented at the top of `bpo_jax/study/tables.py`, which is what reads it. A run
 folder is any folder with `config.json` and `summary.json`; a sweep names its runs
 `<group>/seed_<n>`, where the group is the algorithm, or the algorithm and an ablation.
 """
@@ -16,14 +16,14 @@ from collections.abc import Sequence
 import numpy as np
 from etils import epath
 
-from bpo_jax import files
-from bpo_jax.metrics import METRICS_FILE, read_metrics
+from bpo_jax.io import files
+from bpo_jax.io.metrics import BRANCH_STEP_PREFIX, METRICS_FILE, read_metrics
 
 _SEED_DIR = re.compile(r"seed_\d+")
-BC_FOLDER = "bc"  # Where a sweep keeps its behaviour-cloning starts (`bpo_jax.sweep.BC_GROUP`).
+BC_FOLDER = (
+    "bc"  # Where a sweep keeps its behaviour-cloning starts (`bpo_jax.study.sweep.BC_GROUP`).
+)
 _ITER = re.compile(r"iter_(\d+)")
-# Per RL iteration, `<BRANCH_STEP_PREFIX><t>` counts the batch's branch points at step t.
-BRANCH_STEP_PREFIX = "train/branch_step/"
 
 
 @dataclasses.dataclass

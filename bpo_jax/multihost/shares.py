@@ -4,7 +4,8 @@ Each host plays its shares of the batch (`distributed.my_shares`: contiguous sli
 list, each one batch with its own key) with its own sandbox pool; a tree never spans hosts. Where
 it samples is `mesh.sampler` (`SAMPLER_MODES`): "host", on its own devices (the policy holds a
 copy of the parameters there), or "slice", in programs over the whole mesh that every host's
-calls join in lockstep (`bpo_jax.slice_sampler`), as TPU slices with limited ICI routing (v5e,
+calls join in lockstep (`bpo_jax.multihost.slice_sampler`), as TPU slices with limited ICI routing
+(v5e,
 v6e) require: they refuse programs on a subset of their chips. The hosts then exchange what
 they played, so every host holds the whole batch's forest in task order (`merge_forests`),
 computes the same advantages and metrics, and feeds the same global update. The rollouts'
@@ -22,8 +23,8 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from bpo_jax import distributed
-from bpo_jax.forest import ComputeStats, RolloutForest
+from bpo_jax.parallel import distributed
+from bpo_jax.rollout.forest import ComputeStats, RolloutForest
 
 # Where a multi-host run samples (`config.mesh.sampler`; module docstring).
 SAMPLER_MODES = ("host", "slice")
@@ -53,7 +54,7 @@ def play_in_shares(
         return mine
 
     if getattr(policy, "slice_wide", False) and distributed.process_count() > 1:
-        from bpo_jax.slice_sampler import play_slice_wide  # Local: imports the sampler.
+        from bpo_jax.multihost.slice_sampler import play_slice_wide  # Local: imports the sampler.
 
         rng = distributed.local_key(rng)
         mine = play_slice_wide(policy, play_mine)

@@ -1,0 +1,12 @@
+"""The rollout engine: episodes played as forests of independent groups or BPO trees.
+
+Where a tree branches (the planner and its rules), how its forest is built, and how it is played.
+
+May import: agent, estimators, sampler.
+
+Modules: `engine` (`play`, `play_forest`: every sandbox of a batch in lockstep), `planner`
+(which live paths branch at a turn), `branching` (branch rules, thresholds, the budget),
+`forest` and `forest_builder` (the segments and their conversion to the estimator's arrays),
+`cohorts` (groups of tasks whose turns are pipelined), `posthoc` (the post-hoc top-k ablation),
+`timing` (where an iteration's seconds go).
+"""

@@ -92,63 +92,47 @@ class ModelConfig:
         return dataclasses.replace(self, **kwargs)
 
 
+# Fields by family (Qwen2's q/k/v projections have biases; Llama 3.1 scales its RoPE
+# frequencies) and by storage (the full-size presets run in bfloat16).
+_QWEN2 = {"qkv_bias": True, "rms_norm_eps": 1e-6}
+_LLAMA3_1 = {"qkv_bias": False, "rms_norm_eps": 1e-5, "rope_scaling": RopeScaling()}
+_BF16 = {"dtype": jnp.bfloat16, "param_dtype": jnp.bfloat16}
+_SHAPE_FIELDS = (
+    "vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads"
+)  # fmt: skip
+
+
+def _preset(
+    shape: tuple[int, ...], fields: dict[str, Any], overrides: dict[str, Any]
+) -> ModelConfig:
+    """A preset's config, with the caller's field overrides applied last.
+
+    Args:
+      shape: (vocab_size, hidden_size D, intermediate_size F, num_layers, num_heads H,
+        num_kv_heads K).
+      fields: the preset's other fields.
+      overrides: the caller's field overrides.
+    """
+    cfg = ModelConfig(**dict(zip(_SHAPE_FIELDS, shape, strict=True)), **fields)
+    return cfg.replace(**overrides)
+
+
 def qwen2_5_7b(**overrides) -> ModelConfig:
     """Qwen2.5-7B(-Instruct): 7,615,616,512 parameters."""
-    cfg = ModelConfig(
-        vocab_size=152_064,
-        hidden_size=3584,
-        intermediate_size=18_944,
-        num_layers=28,
-        num_heads=28,
-        num_kv_heads=4,
-        rope_theta=1_000_000.0,
-        rms_norm_eps=1e-6,
-        qkv_bias=True,
-        tie_embeddings=False,
-        max_seq_len=32_768,
-        dtype=jnp.bfloat16,
-        param_dtype=jnp.bfloat16,
-    )
-    return cfg.replace(**overrides)
+    fields = {**_QWEN2, **_BF16, "rope_theta": 1_000_000.0, "max_seq_len": 32_768}
+    return _preset((152_064, 3584, 18_944, 28, 28, 4), fields, overrides)
 
 
 def llama3_1_8b(**overrides) -> ModelConfig:
     """Llama-3.1-8B(-Instruct): 8,030,261,248 parameters."""
-    cfg = ModelConfig(
-        vocab_size=128_256,
-        hidden_size=4096,
-        intermediate_size=14_336,
-        num_layers=32,
-        num_heads=32,
-        num_kv_heads=8,
-        rope_theta=500_000.0,
-        rope_scaling=RopeScaling(),
-        rms_norm_eps=1e-5,
-        qkv_bias=False,
-        tie_embeddings=False,
-        max_seq_len=131_072,
-        dtype=jnp.bfloat16,
-        param_dtype=jnp.bfloat16,
-    )
-    return cfg.replace(**overrides)
+    fields = {**_LLAMA3_1, **_BF16, "rope_theta": 500_000.0, "max_seq_len": 131_072}
+    return _preset((128_256, 4096, 14_336, 32, 32, 8), fields, overrides)
 
 
 def tiny(**overrides) -> ModelConfig:
     """A few-million-parameter Qwen2-style policy that trains on a laptop CPU."""
-    cfg = ModelConfig(
-        vocab_size=1024,
-        hidden_size=128,
-        intermediate_size=384,
-        num_layers=4,
-        num_heads=4,
-        num_kv_heads=2,
-        rope_theta=10_000.0,
-        rms_norm_eps=1e-6,
-        qkv_bias=True,
-        tie_embeddings=True,
-        max_seq_len=1024,
-    )
-    return cfg.replace(**overrides)
+    fields = {**_QWEN2, "rope_theta": 10_000.0, "tie_embeddings": True, "max_seq_len": 1024}
+    return _preset((1024, 128, 384, 4, 4, 2), fields, overrides)
 
 
 def small(**overrides) -> ModelConfig:

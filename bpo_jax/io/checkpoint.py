@@ -28,7 +28,6 @@ import logging
 import os
 import re
 import shutil
-from types import TracebackType
 from typing import Any
 
 import jax
@@ -193,7 +192,7 @@ def abstract_like(tree: PyTree) -> PyTree:
     return jax.tree.map(convert, tree)
 
 
-class Checkpointer:
+class Checkpointer(files.Closeable):
     """Saves and restores `(step, state, meta)` with an Orbax `CheckpointManager`.
 
     Saves are asynchronous: `save` returns once the arrays are copied off the accelerator, so
@@ -397,14 +396,3 @@ class Checkpointer:
         """Waits for pending saves and releases the manager's resources."""
         self._manager.wait_until_finished()
         self._manager.close()
-
-    def __enter__(self) -> Checkpointer:
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.close()

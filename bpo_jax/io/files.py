@@ -16,11 +16,15 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from types import TracebackType
+from typing import TypeVar
 
 from etils import epath
 
 # The URL schemes epath serves through fsspec; anything else is a local path.
 REMOTE_SCHEMES = ("gs://", "s3://", "az://", "hf://")
+
+_C = TypeVar("_C", bound="Closeable")
 
 
 def is_remote(path: str | os.PathLike) -> bool:
@@ -74,3 +78,22 @@ def iter_files(root: str | os.PathLike):
             yield from iter_files(child)
         else:
             yield child
+
+
+class Closeable:
+    """Base of an object that holds files open until `close()`: `with` closes it on the way out
+    (the checkpointer, the metric writer)."""
+
+    def close(self) -> None:
+        raise NotImplementedError
+
+    def __enter__(self: _C) -> _C:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()

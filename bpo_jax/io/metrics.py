@@ -19,7 +19,6 @@ import os
 import sys
 import time
 from collections.abc import Iterable, Mapping
-from types import TracebackType
 from typing import Any, TypeVar
 
 import numpy as np
@@ -67,7 +66,7 @@ def _to_python_scalar(name: str, value: Any) -> int | float:
     raise TypeError(f"metric {name!r} has non-numeric dtype {arr.dtype}; log numbers only.")
 
 
-class MetricWriter:
+class MetricWriter(files.Closeable):
     """Appends metrics to `<workdir>/metrics.jsonl` and, optionally, TensorBoard.
 
     Resuming a run appends to the same file, so steps after the restored checkpoint can appear
@@ -151,17 +150,6 @@ class MetricWriter:
         if self._tb is not None:
             self._tb.close()
             self._tb = None
-
-    def __enter__(self) -> MetricWriter:
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.close()
 
 
 def read_metrics(workdir: str | os.PathLike) -> list[dict[str, Any]]:

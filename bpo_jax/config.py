@@ -2,19 +2,18 @@
 
 The launcher turns the ConfigDict into frozen dataclasses once, at start-up, so that a bad
 value fails immediately with a message naming the field, rather than an hour into a run. Each
-field carries its own check (`check(test, what)` beside its declaration); a section's checks
-that involve two of its fields are its `_check_fields`, and checks across sections (and the
-algorithm's own, `Algorithm.check`) are `ExperimentConfig`'s. Allowed-value lists are read from
-the registries they name (`ALGORITHMS`, `SELECTORS`, ...), never typed twice. Every float field
-must be finite.
+field carries its own check (`check(test, what)` beside its declaration; the checks and the
+sections' base class are `bpo_jax.config_fields`); a section's checks that involve two of its
+fields are its `_check_fields`, and checks across sections (and the algorithm's own,
+`Algorithm.check`) are `ExperimentConfig`'s. Allowed-value lists are read from the registries
+they name (`ALGORITHMS`, `SELECTORS`, ...), never typed twice. Every float field must be finite.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import math
-from collections.abc import Callable, Iterable, Mapping
-from typing import Any, ClassVar
+from collections.abc import Mapping
+from typing import Any
 
 import jax.numpy as jnp
 
@@ -27,6 +26,15 @@ from bpo_jax.agent.demos import (
     search_expert_class,
 )
 from bpo_jax.algorithms import ALGORITHMS
+from bpo_jax.config_fields import (
+    Spec,
+    at_least,
+    check,
+    one_of,
+    positive,
+    read_section,
+    unit_interval,
+)
 from bpo_jax.estimators import NORMALIZE
 from bpo_jax.io import files
 from bpo_jax.learner import LOSS_AGGS
@@ -47,75 +55,14 @@ ALGOS = ALGORITHMS
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 
 
-@dataclasses.dataclass(frozen=True)
-class _Check:
-    test: Callable[[Any], bool]
-    what: str | Callable[[], str]
-
-    def message(self) -> str:
-        return self.what() if callable(self.what) else self.what
-
-
-def check(test: Callable[[Any], bool], what: str | Callable[[], str]):
-    """A dataclass field whose value must pass `test`; `what` says what is expected."""
-    return dataclasses.field(metadata={"check": _Check(test, what)})
-
-
-def at_least(n):
-    return check(lambda v: v >= n, f"must be >= {n}")
-
-
-def positive():
-    return check(lambda v: v > 0, "must be > 0")
-
-
-def unit_interval(closed_right: bool = True):
-    if closed_right:
-        return check(lambda v: 0 <= v <= 1, "must be in [0, 1]")
-    return check(lambda v: 0 <= v < 1, "must be in [0, 1)")
-
-
-def one_of(names: Callable[[], Iterable[str]]):
-    """The value must be a name in a registry (read when checked, so late registrations count)."""
-    return check(lambda v: v in set(names()), lambda: f"must be one of {sorted(names())}")
-
-
 def _sandbox_backends() -> list[str]:
     from envs.sandbox import known_backends  # Local: config loads without the envs package.
 
     return known_backends()
 
 
-class _Spec:
-    """Checks every field of a frozen section on construction (see the module docstring)."""
-
-    section: ClassVar[str] = ""
-
-    def __post_init__(self):
-        for f in dataclasses.fields(self):
-            value = getattr(self, f.name)
-            if isinstance(value, list):
-                value = tuple(value)
-                object.__setattr__(self, f.name, value)
-            if f.type in ("float", float):
-                if isinstance(value, bool) or not isinstance(value, (int, float)):
-                    self._fail(f.name, value, "must be a number")
-                if not math.isfinite(value):
-                    self._fail(f.name, value, "must be finite")
-            c = f.metadata.get("check")
-            if c is not None and not c.test(value):
-                self._fail(f.name, value, c.message())
-        self._check_fields()
-
-    def _check_fields(self) -> None:
-        """Checks that involve several fields of the section."""
-
-    def _fail(self, name: str, value: Any, what: str):
-        raise ValueError(f"config.{self.section}.{name} {what}, got {value!r}.")
-
-
 @dataclasses.dataclass(frozen=True)
-class ModelSpec(_Spec):
+class ModelSpec(Spec):
     section = "model"
     preset: str = one_of(lambda: PRESETS)
     hf_checkpoint: str  # A directory with config.json, *.safetensors and tokenizer.json.
@@ -127,9 +74,8 @@ class ModelSpec(_Spec):
     remat: str = one_of(lambda: REMAT_POLICIES)  # Decoder layers' rematerialisation in updates.
     scan_layers: bool  # Updates run the layers as one lax.scan (faster compiles).
     # The trained tokenizer writes each digit as its own piece (False: " 12" may be one piece).
-    tokenizer_split_digits: bool = dataclasses.field(
-        default=True,
-        metadata={"check": _Check(lambda v: isinstance(v, bool), "must be True or False")},
+    tokenizer_split_digits: bool = check(
+        lambda v: isinstance(v, bool), "must be True or False", default=True
     )
 
     def _check_fields(self):
@@ -147,7 +93,7 @@ def _mesh_axis():
 
 
 @dataclasses.dataclass(frozen=True)
-class MeshSpec(_Spec):
+class MeshSpec(Spec):
     section = "mesh"
     data: int = _mesh_axis()
     fsdp: int = _mesh_axis()
@@ -157,23 +103,16 @@ class MeshSpec(_Spec):
     # of P plays shares p, p + P, ..., each as one batch with its own key
     # (bpo_jax.parallel.distributed).
     # 0: one per process. Fix it to make a run's results independent of its process count.
-    task_shards: int = dataclasses.field(
-        default=0, metadata={"check": _Check(lambda v: v >= 0, "must be >= 0 (0: one per process)")}
-    )
+    task_shards: int = check(lambda v: v >= 0, "must be >= 0 (0: one per process)", default=0)
     # Multislice: slices the data axis spans over DCN (data, fsdp and tensor above are sizes
     # within one slice; fsdp and tensor never cross slices). 0: as many as the devices span.
-    dcn_data: int = dataclasses.field(
-        default=0, metadata={"check": _Check(lambda v: v >= 0, "must be >= 0 (0: every slice)")}
-    )
-    # Where a multi-host run samples (bpo_jax/multihost/shares.py): "host" on each host's own chips
-    # with a
-    # copy of the parameters; "slice" in programs over the whole mesh, every host's calls joined
-    # in lockstep (bpo_jax/multihost/slice_sampler.py), which TPU slices with limited ICI routing
-    # (v5e,
-    # v6e) need. Identical with one process.
-    sampler: str = dataclasses.field(
-        default="host",
-        metadata={"check": _Check(lambda v: v in SAMPLER_MODES, f"must be one of {SAMPLER_MODES}")},
+    dcn_data: int = check(lambda v: v >= 0, "must be >= 0 (0: every slice)", default=0)
+    # Where a multi-host run samples (bpo_jax/multihost/shares.py): "host" on each host's own
+    # chips with a copy of the parameters; "slice" in programs over the whole mesh, every host's
+    # calls joined in lockstep (bpo_jax/multihost/slice_sampler.py), which TPU slices with
+    # limited ICI routing (v5e, v6e) need. Identical with one process.
+    sampler: str = check(
+        lambda v: v in SAMPLER_MODES, f"must be one of {SAMPLER_MODES}", default="host"
     )
 
     def _check_fields(self):
@@ -186,7 +125,7 @@ class MeshSpec(_Spec):
 
 
 @dataclasses.dataclass(frozen=True)
-class EnvSpec(_Spec):
+class EnvSpec(Spec):
     section = "env"
     name: str  # A registered environment, a gymnasium id, or "module:Class".
     data_root: str
@@ -202,9 +141,7 @@ class EnvSpec(_Spec):
     env_options: Mapping[str, Any]  # Extra arguments of the environment's constructor.
     # The share of the training split held out as development games ("dev" in eval_split), by
     # a hash of each task id (`bpo_jax.builders.is_dev_task`): never cloned nor trained on.
-    dev_fraction: float = dataclasses.field(
-        default=0.0, metadata={"check": _Check(lambda v: 0 <= v < 1, "must be in [0, 1)")}
-    )
+    dev_fraction: float = check(lambda v: 0 <= v < 1, "must be in [0, 1)", default=0.0)
 
     def _check_fields(self):
         splits = self.eval_splits
@@ -224,7 +161,7 @@ class EnvSpec(_Spec):
 
 
 @dataclasses.dataclass(frozen=True)
-class AgentSpec(_Spec):
+class AgentSpec(Spec):
     section = "agent"
     # tiny (tagged text, learnt by cloning) | chat (the checkpoint's chat template, reasoning
     # then <action>...</action>; for instruct models): bpo_jax/agent/.
@@ -235,14 +172,11 @@ class AgentSpec(_Spec):
     # tiny: a <notes> section before the current observation, the environment's summary of the
     # texts the episode has shown (where it is, what it holds, what it saw, what it has not
     # visited; `AGENT_NOTES` in bpo_jax/agent/demos.py, envs/alfworld/memory.py).
-    notes: bool = dataclasses.field(
-        default=False,
-        metadata={"check": _Check(lambda v: isinstance(v, bool), "must be True or False")},
-    )
+    notes: bool = check(lambda v: isinstance(v, bool), "must be True or False", default=False)
 
 
 @dataclasses.dataclass(frozen=True)
-class SamplerSpec(_Spec):
+class SamplerSpec(Spec):
     section = "sampler"
     temperature: float = check(
         lambda v: v > 0, "must be > 0 (RL rollouts are sampled; evaluation is greedy regardless)"
@@ -251,33 +185,27 @@ class SamplerSpec(_Spec):
     length_bucket: int = at_least(1)
     # Prompts continue the contexts of the previous turn's (bpo_jax/sampler/prefixes.py): the
     # same tokens up to float rounding, less prefill work. Not with mesh.sampler="slice".
-    prefix_reuse: bool = dataclasses.field(
-        default=True,
-        metadata={"check": _Check(lambda v: isinstance(v, bool), "must be True or False")},
-    )
+    prefix_reuse: bool = check(lambda v: isinstance(v, bool), "must be True or False", default=True)
 
 
 @dataclasses.dataclass(frozen=True)
-class BCSpec(_Spec):
+class BCSpec(Spec):
     section = "bc"
     steps: int = at_least(0)
     batch_size: int = at_least(1)
     lr: float = positive()
     # What is cloned: walkthrough (the games' planner plans) | search (the environment's
     # searching demonstrator, which acts on the observations only; bpo_jax/agent/demos.py).
-    demos: str = dataclasses.field(
-        default="walkthrough",
-        metadata={"check": _Check(lambda v: v in DEMO_SOURCES, f"must be one of {DEMO_SOURCES}")},
+    demos: str = check(
+        lambda v: v in DEMO_SOURCES, f"must be one of {DEMO_SOURCES}", default="walkthrough"
     )
     # Share of demo steps cloned once more after 1-2 commands the game cannot execute (recovery
     # examples; bpo_jax/agent/demos.py). 0 = the demos as played.
-    recovery: float = dataclasses.field(
-        default=0.0, metadata={"check": _Check(lambda v: 0 <= v < 1, "must be in [0, 1)")}
-    )
+    recovery: float = check(lambda v: 0 <= v < 1, "must be in [0, 1)", default=0.0)
 
 
 @dataclasses.dataclass(frozen=True)
-class TrainSpec(_Spec):
+class TrainSpec(Spec):
     section = "train"
     algo: str = one_of(lambda: ALGORITHMS)
     iterations: int = at_least(0)
@@ -305,9 +233,8 @@ class TrainSpec(_Spec):
     value_epochs: int = at_least(1)  # PPO: value-head passes over each batch.
     # Without a KL term, rows with a zero advantage (no gradient) are left out of the update's
     # forward and backward passes, the step unchanged up to float rounding (learner/host.py).
-    skip_zero_advantage: bool = dataclasses.field(
-        default=True,
-        metadata={"check": _Check(lambda v: isinstance(v, bool), "must be True or False")},
+    skip_zero_advantage: bool = check(
+        lambda v: isinstance(v, bool), "must be True or False", default=True
     )
 
     def _check_fields(self):
@@ -320,7 +247,7 @@ class TrainSpec(_Spec):
 
 
 @dataclasses.dataclass(frozen=True)
-class RolloutSpec(_Spec):
+class RolloutSpec(Spec):
     section = "rollout"
     root_group: int = at_least(1)  # Tree algorithms need >= 2 (`Algorithm.check`).
     num_branches: int = at_least(2)
@@ -357,7 +284,7 @@ class RolloutSpec(_Spec):
 
 
 @dataclasses.dataclass(frozen=True)
-class EvalSpec(_Spec):
+class EvalSpec(Spec):
     section = "eval"
     num_tasks: int = at_least(0)  # Per split; 0 = every game of a held-out split.
     every: int = at_least(0)
@@ -369,7 +296,7 @@ class EvalSpec(_Spec):
 
 
 @dataclasses.dataclass(frozen=True)
-class CheckpointSpec(_Spec):
+class CheckpointSpec(Spec):
     section = "checkpoint"
     every: int = at_least(1)
     max_to_keep: int = at_least(1)
@@ -480,26 +407,6 @@ class ExperimentConfig:
         return ALGORITHMS[self.train.algo]
 
 
-def _section(cls, raw: Mapping[str, Any], name: str):
-    if not isinstance(raw, Mapping):
-        raise ValueError(f"config.{name} must be a section (ConfigDict), got {raw!r}.")
-    fields = {f.name for f in dataclasses.fields(cls)}
-    optional = {
-        f.name
-        for f in dataclasses.fields(cls)
-        if f.default is not dataclasses.MISSING or f.default_factory is not dataclasses.MISSING
-    }
-    missing = fields - optional - set(raw)
-    if missing:
-        raise ValueError(f"config.{name} is missing field(s) {sorted(missing)}.")
-    extra = set(raw) - fields
-    if extra:
-        raise ValueError(
-            f"config.{name} has unknown field(s) {sorted(extra)}; known: {sorted(fields)}."
-        )
-    return cls(**{f: raw[f] for f in fields if f in raw})
-
-
 def validate(config: Mapping[str, Any]) -> ExperimentConfig:
     """Checks every field of an experiment config and returns its typed, frozen form.
 
@@ -510,7 +417,7 @@ def validate(config: Mapping[str, Any]) -> ExperimentConfig:
     for name in ("seed", "log_every", "init_from", *SECTIONS):
         if name not in raw:
             raise ValueError(f"config.{name} is missing.")
-    parsed = {name: _section(cls, raw[name], name) for name, cls in SECTIONS.items()}
+    parsed = {name: read_section(cls, raw[name], name) for name, cls in SECTIONS.items()}
     return ExperimentConfig(
         seed=int(raw["seed"]),
         log_every=int(raw["log_every"]),

@@ -1,13 +1,8 @@
 """ALFWorld household text games (Shridhar et al., ICLR 2021): gymnasium id
 `bpo_jax/ALFWorld-v0`, short name "alfworld".
 
-Example:
-    from envs.alfworld import load_tasks
-    from envs.base import make_env
-
-    tasks = load_tasks(None, "valid_seen")  # data root from $ALFWORLD_DATA
-    env = make_env("alfworld", max_steps=50)
-    observation, info = env.reset(options={"task": tasks[0]})
+Used as in the example in `envs`: `load_tasks(None, "valid_seen")` (data root from
+$ALFWORLD_DATA), `make_env("alfworld", max_steps=50)`; each task's `walkthrough` wins its game.
 """
 
 from envs.alfworld.data import (

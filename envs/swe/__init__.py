@@ -8,16 +8,8 @@ name "swe".
 - Environment: `make_env("swe", max_steps=30)`; the tool grammar is in `envs.swe.tools`, the
   sandboxing in `envs.swe.jail`, what a submission is graded on and which results the grader
   believes in `envs.swe.grading` and `envs.swe.harness`.
-
-Example:
-    from envs.swe import load_tasks
-    from envs.base import make_env
-
-    tasks = load_tasks(None, "train")  # data root from $SWE_TASKS_DIR
-    env = make_env("swe", max_steps=30)
-    observation, info = env.reset(options={"task": tasks[0]})
-    for action in tasks[0].walkthrough:
-        observation, reward, terminated, truncated, info = env.step(action)
+- Used as in the example in `envs`: `load_tasks(None, "train")` (data root from
+  $SWE_TASKS_DIR), `make_env("swe", max_steps=30)`; each task's `walkthrough` solves it.
 """
 
 from envs.swe.data import (

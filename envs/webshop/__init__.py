@@ -1,15 +1,8 @@
 """WebShop (Yao et al., NeurIPS 2022) in text mode: gymnasium id `bpo_jax/WebShop-v0`, short
 name "webshop".
 
-Example:
-    from envs.webshop import load_tasks
-    from envs.base import make_env
-
-    tasks = load_tasks(None, "test")  # data root from $WEBSHOP_DATA
-    env = make_env("webshop", max_steps=15)
-    observation, info = env.reset(options={"task": tasks[0]})
-    for action in tasks[0].walkthrough:
-        observation, reward, terminated, truncated, info = env.step(action)
+Used as in the example in `envs`: `load_tasks(None, "test")` (data root from $WEBSHOP_DATA),
+`make_env("webshop", max_steps=15)`; each task's `walkthrough` solves it.
 """
 
 from envs.webshop.data import (

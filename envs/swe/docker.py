@@ -12,8 +12,9 @@ in a fresh container, `docker run --rm --network none` with the executor's memor
 process limits and the command's `Limits` as rlimits (file size, CPU time, open files), a
 tmpfs `/tmp` of `tmpfs_mb` and a wall-clock timeout. The container gets the edits as a tar on
 stdin and sends back a tar (exit status, output, the pytest report plugin's records, and with
-`capture` the files the command created, changed or deleted). No container outlives a call, so
-sandboxes still fork by `os.fork()` and CRIU has nothing outside the worker to copy.
+`capture` the files the command created, changed or deleted; `envs.swe.container`). No
+container outlives a call, so sandboxes still fork by `os.fork()` and CRIU has nothing outside
+the worker to copy.
 
 Grading (`envs.swe.grading.grade_in_docker`): in an image whose Python can run it (the local
 images) pytest runs under the signed grading harness (`envs.swe.harness`), as in the local jail:
@@ -32,7 +33,6 @@ import json
 import os
 import secrets
 import shutil
-import signal
 import subprocess
 import tarfile
 import tempfile
@@ -41,9 +41,9 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from envs.swe import container
 from envs.swe.images import CONTAINER_LABEL, LABEL, ImageBuilder
 from envs.swe.jail import JAIL_ROOT, JailResult, Limits, verify_harness_report
-from envs.swe.jail_fs import SKIP_DIRS
 
 __all__ = ["DOCKER_ROOT", "DockerExecutor", "DockerUnavailableError", "check_docker"]
 
@@ -51,7 +51,6 @@ DOCKER_ROOT = "/testbed"  # Where the repository is in a SWE-bench image.
 _HERE = os.path.dirname(os.path.abspath(__file__))
 _PLUGIN = os.path.join(_HERE, "pytest_report.py")
 _HARNESS = os.path.join(_HERE, "harness.py")
-_RUN = "/run/bpo"  # The executor's files in a container (root-owned; the key 0400).
 _SLACK_S = 120.0  # Container start and teardown on top of the command's timeout.
 _HOW = (
     "To run SWE-bench instances: on a Linux machine with Docker (`docker info` works for your "
@@ -61,44 +60,6 @@ _HOW = (
     "--config.env.task_options.source=swebench --config.env.data_root=verified.jsonl "
     "--config.env.env_options.executor=docker."
 )
-# Runs in the container as root: unpack the request, run the command, pack the result.
-# {launch} is the command's line (a subshell that sets the command's rlimits, so that packing
-# the result is not subject to them); it must leave its exit status in $?.
-_SCRIPT = r"""
-set -u
-tar -x -C / || exit 90
-if [ -s {run}/deleted ]; then (cd /testbed && xargs -0 rm -f -- < {run}/deleted); fi
-{own}
-mkdir -p {run}/result /tmp/.report /tmp/home && chmod 1777 /tmp/.report /tmp/home
-cd /testbed
-{activate} >/dev/null 2>&1 || true
-if [ {capture} = 1 ]; then
-  find . -path ./.git -prune -o ! -type d -print0 | sort -z > {run}/before
-  touch {run}/mark && sleep 0.02  # File times are coarse: a write after this is newer.
-fi
-start=$(date +%s%N)
-{launch} > {run}/out 2>&1
-status=$?
-end=$(date +%s%N)
-R={run}/result
-echo "$status $(( (end - start) / 1000000 )) $(wc -c < {run}/out)" > $R/status
-size=$(wc -c < {run}/out)
-if [ "$size" -le {keep} ]; then cp {run}/out $R/head
-else head -c {half} {run}/out > $R/head; tail -c {half} {run}/out > $R/tail; fi
-cp /tmp/.report/report.jsonl $R/report.jsonl 2>/dev/null
-if [ {capture} = 1 ]; then
-  cd /testbed
-  find . -path ./.git -prune -o ! -type d -print0 | sort -z > {run}/after
-  comm -z -23 {run}/before {run}/after > $R/deleted
-  new="-newer {run}/mark -o -cnewer {run}/mark"
-  find . -path ./.git -prune {skip} -o ! -type d \( $new \) -type f -size -{small}c -print0 \
-    > {run}/changed
-  find . -path ./.git -prune {skip} -o ! -type d \( $new \) ! \( -type f -size -{small}c \) \
-    -print0 > $R/ignored
-  tar -c --null --no-recursion -T {run}/changed -f $R/changes.tar
-fi
-cd $R && tar -c .
-"""
 
 
 class DockerUnavailableError(RuntimeError):
@@ -284,14 +245,14 @@ class DockerExecutor:
         extra = {}
         if pytest_report:
             with open(_PLUGIN, "rb") as f:
-                extra[f"{_RUN}/plugin/bpo_swe_report.py"] = f.read()
+                extra[f"{container.RUN}/plugin/bpo_swe_report.py"] = f.read()
             environ["PYTHONPATH"] = ":".join(
-                p for p in (f"{_RUN}/plugin", environ.get("PYTHONPATH", "")) if p
+                p for p in (f"{container.RUN}/plugin", environ.get("PYTHONPATH", "")) if p
             )
             environ["BPO_SWE_REPORT"] = "/tmp/.report/report.jsonl"
         launch = (
-            f"( {_ulimits(limits)}; exec timeout -s KILL {limits.timeout_s:g} {_drop(labels)} "
-            '"$@" < /dev/null )'
+            f"( {container.ulimits(limits)}; exec timeout -s KILL {limits.timeout_s:g} "
+            f'{container.drop_privileges(labels)} "$@" < /dev/null )'
         )
         result, _ = self._container(image, labels, files, extra, launch, argv, limits, environ,
                                     capture)  # fmt: skip
@@ -323,7 +284,10 @@ class DockerExecutor:
             raise ValueError(f"{image} cannot run the grading harness (needs Python >= 3.11).")
         key = secrets.token_hex(32)
         with open(_HARNESS, "rb") as f:
-            extra = {f"{_RUN}/harness.py": f.read(), f"{_RUN}/key": (key + "\n").encode()}
+            extra = {
+                f"{container.RUN}/harness.py": f.read(),
+                f"{container.RUN}/key": (key + "\n").encode(),
+            }
         args = ["--report-fd", "3"]
         for folder in pythonpath:
             args += ["--path", folder]
@@ -332,9 +296,9 @@ class DockerExecutor:
         # The subshell opens the key as the harness's stdin and unlinks it before the harness
         # starts; fd 3 is the container's stderr, which carries only signed records.
         launch = (
-            f"( rm -f {_RUN}/key; {_ulimits(limits)}; "
-            f"exec timeout -s KILL {limits.timeout_s:g} {_drop(labels)} "
-            f'{python} -P -s -B {_RUN}/harness.py "$@" ) < {_RUN}/key 3>&2'
+            f"( rm -f {container.RUN}/key; {container.ulimits(limits)}; "
+            f"exec timeout -s KILL {limits.timeout_s:g} {container.drop_privileges(labels)} "
+            f'{python} -P -s -B {container.RUN}/harness.py "$@" ) < {container.RUN}/key 3>&2'
         )
         argv = [*args, "--", *pytest_args]
         result, stderr = self._container(image, labels, files, extra, launch, argv, limits, {},
@@ -345,29 +309,10 @@ class DockerExecutor:
         return result
 
     def _container(self, image, labels, files, extra, launch, argv, limits, environ, capture):
-        """(result, the container's stderr) of one command; see `_SCRIPT`."""
+        """(result, the container's stderr) of one command; see `envs.swe.container`."""
         uid = int(labels.get("uid") or 0)
-        base = self._bases.get(image)
-        archive = io.BytesIO()
-        deleted = []
-        with tarfile.open(fileobj=archive, mode="w") as t:
-            for rel, content in sorted(files.items()):
-                if content is None:
-                    deleted.append(rel)
-                    continue
-                # An edited file keeps the base's executable bit (`./tests/runtests.py`).
-                runnable = base is not None and os.access(os.path.join(base, rel), os.X_OK)
-                _add(t, f"testbed/{rel}", content, uid=uid, mode=0o755 if runnable else 0o644)
-            _add(t, f"{_RUN[1:]}/deleted", b"".join(p.encode() + b"\0" for p in deleted))
-            for path, content in extra.items():
-                _add(t, path.lstrip("/"), content, mode=0o400 if path.endswith("/key") else 0o644)
-        keep = int(limits.output_chars)
-        skip = " ".join(f"-o -name {name} -prune" for name in sorted(SKIP_DIRS))
-        script = _SCRIPT.format(
-            run=_RUN, activate=self._activate(labels), capture=int(capture), launch=launch,
-            keep=keep, half=max(keep // 2, 1), skip=skip, small=(limits.capture_kb << 10) + 1,
-            own=_own_new_folders(uid),
-        )  # fmt: skip
+        archive = container.request_archive(files, extra, self._bases.get(image), uid)
+        script = container.script(launch, self._activate(labels), limits, uid, capture)
         command = [
             self.docker, "run", "--rm", "-i", "--network", "none", "--label", CONTAINER_LABEL,
             "--memory", f"{self.memory_mb}m", "--memory-swap", f"{self.memory_mb}m",
@@ -381,51 +326,13 @@ class DockerExecutor:
         command += ["--entrypoint", "bash", image, "-c", script, "bash", *argv]
         start = time.monotonic()
         try:
-            done = subprocess.run(command, input=archive.getvalue(), capture_output=True,
+            done = subprocess.run(command, input=archive, capture_output=True,
                                   timeout=limits.timeout_s + _SLACK_S)  # fmt: skip
         except subprocess.TimeoutExpired:
             return JailResult(
                 error=f"the container did not finish in {limits.timeout_s + _SLACK_S:.0f} s"
             ), b""
-        try:
-            parts = _members(done.stdout)
-            status, elapsed_ms, size = (parts["status"].decode().split() + ["0", "0"])[:3]
-        except (tarfile.TarError, KeyError, ValueError):
-            detail = done.stderr.decode("utf-8", "replace").strip()[-800:]
-            return JailResult(
-                error=f"docker run failed (exit status {done.returncode}): {detail}"
-            ), done.stderr
-        code, elapsed = int(status), int(elapsed_ms) / 1000
-        timed_out = code == 128 + signal.SIGKILL and elapsed >= limits.timeout_s * 0.98
-        sig = None
-        if 128 < code <= 128 + 64:
-            try:
-                sig = signal.Signals(code - 128).name
-            except ValueError:
-                sig = f"signal {code - 128}"
-        output = parts.get("head", b"").decode("utf-8", "replace")
-        if "tail" in parts:
-            left = int(size) - len(parts["head"]) - len(parts["tail"])
-            output += (f"\n[... {left} bytes of output left out ...]\n"
-                       + parts["tail"].decode("utf-8", "replace"))  # fmt: skip
-        changes, ignored = {}, []
-        if capture:
-            changes, ignored = _changes(parts, limits)
-        result = JailResult(
-            exit_code=None if sig else code,
-            signal=sig,
-            timed_out=timed_out,
-            elapsed_s=elapsed if elapsed else time.monotonic() - start,
-            output=output,
-            output_bytes=int(size),
-            changes=changes,
-            ignored=ignored,
-            report=_records(parts.get("report.jsonl", b"")),
-            cgroups=["memory", "pids"],
-        )
-        if code == 90:
-            result = JailResult(error="the request could not be unpacked in the container")
-        return result, done.stderr
+        return container.read_reply(done, limits, capture, start), done.stderr
 
     def _activate(self, labels: Mapping[str, str]) -> str:
         if self.activate is not None:
@@ -433,74 +340,3 @@ class DockerExecutor:
         return labels.get(
             "activate", "source /opt/miniconda3/bin/activate && conda activate testbed"
         )
-
-
-def _own_new_folders(uid: int) -> str:
-    """Gives the folders tar made for new files of the overlay (as root) to the image's uid."""
-    if not uid:
-        return ":"
-    return (f"find /testbed -path /testbed/.git -prune -o -type d -user 0 -print0 | "
-            f"xargs -0 -r chown {uid}:{uid}")  # fmt: skip
-
-
-def _ulimits(limits: Limits) -> str:
-    """bash's `ulimit` line for the command's per-process limits (file size in KiB blocks)."""
-    return f"ulimit -f {limits.file_mb << 10} -t {limits.cpu_s} -n {limits.open_files}"
-
-
-def _drop(labels: Mapping[str, str]) -> str:
-    """The command prefix that drops to the image's unprivileged uid (none: stay root)."""
-    uid = labels.get("uid")
-    return f"setpriv --reuid={uid} --regid={uid} --clear-groups --" if uid else ""
-
-
-def _add(t: tarfile.TarFile, name: str, content: bytes, *, uid: int = 0, mode: int = 0o644):
-    info = tarfile.TarInfo(name)
-    info.size = len(content)
-    info.mode = mode
-    info.uid = info.gid = uid
-    info.mtime = int(time.time())
-    t.addfile(info, io.BytesIO(content))
-
-
-def _members(data: bytes) -> dict[str, bytes]:
-    out = {}
-    with tarfile.open(fileobj=io.BytesIO(data)) as t:
-        for member in t.getmembers():
-            if member.isfile():
-                out[member.name.removeprefix("./")] = t.extractfile(member).read()
-    return out
-
-
-def _records(text: bytes) -> list[dict[str, Any]]:
-    records = []
-    for line in text.decode("utf-8", "replace").splitlines():
-        try:
-            records.append(json.loads(line))
-        except ValueError:
-            continue
-    return records
-
-
-def _changes(parts: Mapping[str, bytes], limits: Limits):
-    """(changes, ignored) from the container's `changes.tar` and `deleted` list."""
-    changes: dict[str, bytes | None] = {}
-    ignored: list[str] = []
-    for rel in parts.get("deleted", b"").split(b"\0"):
-        if rel:
-            changes[rel.decode("utf-8", "replace").removeprefix("./")] = None
-    ignored += [p.decode("utf-8", "replace").removeprefix("./")
-                for p in parts.get("ignored", b"").split(b"\0") if p]  # fmt: skip
-    budget = limits.capture_mb << 20
-    if "changes.tar" in parts:
-        with tarfile.open(fileobj=io.BytesIO(parts["changes.tar"])) as t:
-            for member in t.getmembers():
-                rel = member.name.removeprefix("./")
-                if not member.isfile() or member.size > limits.capture_kb << 10:
-                    ignored.append(rel)
-                elif member.size > budget:
-                    ignored.append(rel)
-                else:
-                    budget -= member.size
-                    changes[rel] = t.extractfile(member).read()
-    return changes, ignored

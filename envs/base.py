@@ -55,6 +55,7 @@ __all__ = [
     "TextEnv",
     "TextSpace",
     "action_refusal",
+    "check_task_types",
     "env_class",
     "known_envs",
     "load_tasks",
@@ -398,6 +399,33 @@ def step_result(env: gymnasium.Env, action: str | None) -> StepResult:
     info = dict(info)
     info["truncated"] = bool(truncated)
     return StepResult(observation, float(reward), bool(terminated or truncated), info)
+
+
+def check_task_types(
+    task_types: Sequence[str] | None, known: Sequence[str], *, env: str, noun: str
+) -> None:
+    """Checks a task loader's `task_types` argument (None keeps every task).
+
+    Args:
+        task_types: The task types asked for, or None.
+        known: Every task type the environment has.
+        env: The environment's name, for messages ("ALFWorld").
+        noun: What a task type is, for messages ("task types", "categories").
+
+    Raises:
+        ValueError: If `task_types` is a bare string (it would be iterated character by
+            character) or names a task type not in `known`.
+    """
+    if task_types is None:
+        return
+    if isinstance(task_types, str):
+        raise ValueError(
+            f"task_types must be a list of {noun}, got the string {task_types!r}; wrap it in a "
+            f"list: [{task_types!r}]."
+        )
+    unknown = [t for t in task_types if t not in known]
+    if unknown:
+        raise ValueError(f"Unknown {env} task type(s) {unknown}; expected some of {list(known)}.")
 
 
 def resolve_data_root(

@@ -138,18 +138,7 @@ def load_tasks(
     """
     if split not in SPLITS:
         raise ValueError(f"Unknown ALFWorld split {split!r}; expected one of {list(SPLITS)}.")
-    if task_types is not None:
-        if isinstance(task_types, str):
-            # A bare string would otherwise be iterated character by character.
-            raise ValueError(
-                f"task_types must be a list of task types, got the string {task_types!r}; "
-                f"wrap it in a list: [{task_types!r}]."
-            )
-        unknown = [t for t in task_types if t not in TASK_TYPES]
-        if unknown:
-            raise ValueError(
-                f"Unknown ALFWorld task type(s) {unknown}; expected some of {list(TASK_TYPES)}."
-            )
+    base.check_task_types(task_types, TASK_TYPES, env="ALFWorld", noun="task types")
     if limit is not None and limit < 0:
         raise ValueError(f"limit must be non-negative or None, got {limit}.")
 

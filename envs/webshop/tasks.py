@@ -27,7 +27,7 @@ import random
 import re
 from collections.abc import Sequence
 
-from envs.base import Task
+from envs.base import Task, check_task_types
 from envs.webshop.data import (
     HUMAN_GOALS_FILE,
     Catalog,
@@ -300,17 +300,7 @@ def load_tasks(
         FileNotFoundError, envs.webshop.data.DataIntegrityError: For missing or altered data.
         ValueError: For an unknown split, task type, goal source, or a bad limit.
     """
-    if task_types is not None:
-        if isinstance(task_types, str):
-            raise ValueError(
-                f"task_types must be a list of categories, got the string {task_types!r}; wrap "
-                f"it in a list: [{task_types!r}]."
-            )
-        unknown = [t for t in task_types if t not in TASK_TYPES]
-        if unknown:
-            raise ValueError(
-                f"Unknown WebShop task type(s) {unknown}; expected some of {list(TASK_TYPES)}."
-            )
+    check_task_types(task_types, TASK_TYPES, env="WebShop", noun="categories")
     if goals not in GOAL_SOURCES:
         raise ValueError(f"Unknown goal source {goals!r}; expected one of {list(GOAL_SOURCES)}.")
     if limit is not None and limit < 0:

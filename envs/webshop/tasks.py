@@ -32,6 +32,7 @@ from envs.webshop.data import (
     HUMAN_GOALS_FILE,
     Catalog,
     CatalogSpec,
+    Product,
     get_catalog,
     resolve_catalog,
     resolve_data_root,
@@ -124,6 +125,29 @@ def _price_limit(rng: random.Random, price: float) -> tuple[float, str]:
     return upper, f", and price lower than {upper:.2f} dollars"
 
 
+def _goal(
+    product: Product,
+    source: str,
+    instruction: str,
+    attributes: tuple[str, ...],
+    options: tuple[tuple[str, str], ...],
+    price_upper: float,
+) -> Goal:
+    """A goal made from `product`: its ASIN, query, title and categories, and the rest given."""
+    return Goal(
+        asin=product.asin,
+        instruction=instruction,
+        attributes=attributes,
+        options=options,
+        price_upper=price_upper,
+        query=product.query,
+        name=product.name,
+        product_category=product.product_category,
+        category=product.category,
+        source=source,
+    )
+
+
 def synthetic_goals(catalog: Catalog) -> list[Goal]:
     """One goal per option combination of every product with an instruction, in catalog order."""
     goals = []
@@ -137,19 +161,9 @@ def synthetic_goals(catalog: Catalog) -> list[Goal]:
             rng = random.Random(f"webshop-goal:{p.asin}:{option_text}")
             upper, price_text = _price_limit(rng, p.price)
             with_text = f" with {option_text}" if option_text else ""
+            instruction = f"{p.instruction}{with_text}{price_text}"
             goals.append(
-                Goal(
-                    asin=p.asin,
-                    instruction=f"{p.instruction}{with_text}{price_text}",
-                    attributes=p.instruction_attributes,
-                    options=chosen,
-                    price_upper=upper,
-                    query=p.query,
-                    name=p.name,
-                    product_category=p.product_category,
-                    category=p.category,
-                    source="synthetic",
-                )
+                _goal(p, "synthetic", instruction, p.instruction_attributes, chosen, upper)
             )
     return goals
 
@@ -172,20 +186,7 @@ def human_goals(catalog: Catalog, human: dict) -> list[Goal]:
             text = str(entry.get("instruction") or "").strip().strip(".")
             rng = random.Random(f"webshop-human-goal:{p.asin}:{i}:{text}")
             upper, price_text = _price_limit(rng, p.price)
-            goals.append(
-                Goal(
-                    asin=p.asin,
-                    instruction=text + price_text,
-                    attributes=attributes,
-                    options=options,
-                    price_upper=upper,
-                    query=p.query,
-                    name=p.name,
-                    product_category=p.product_category,
-                    category=p.category,
-                    source="human",
-                )
-            )
+            goals.append(_goal(p, "human", text + price_text, attributes, options, upper))
     return goals
 
 

@@ -164,12 +164,7 @@ def trajectory_weights(seg_parent, seg_child, seg_len, num_nodes: int, *, valida
     Returns:
       float32[S], 0 for padding segments.
     """
-    parent, child, seg_len_s, num_nodes = prepare(
-        seg_parent, seg_child, seg_len, num_nodes, "seg_len"
-    )
-    if validate and is_concrete(seg_parent, seg_child, seg_len):
-        validate_forest(seg_parent, seg_child, num_nodes, seg_len=seg_len)
-    return _trajectory_kernel(parent, child, seg_len_s, num_nodes)[0]
+    return _checked_trajectory_kernel(seg_parent, seg_child, seg_len, num_nodes, validate)[0]
 
 
 def path_lengths(seg_parent, seg_child, seg_len, num_nodes: int, *, validate: bool = True):
@@ -181,12 +176,17 @@ def path_lengths(seg_parent, seg_child, seg_len, num_nodes: int, *, validate: bo
     Returns:
       int32[S], 0 for padding segments.
     """
+    return _checked_trajectory_kernel(seg_parent, seg_child, seg_len, num_nodes, validate)[1]
+
+
+def _checked_trajectory_kernel(seg_parent, seg_child, seg_len, num_nodes, validate):
+    """`_trajectory_kernel` on the prepared forest, validated first if asked and concrete."""
     parent, child, seg_len_s, num_nodes = prepare(
         seg_parent, seg_child, seg_len, num_nodes, "seg_len"
     )
     if validate and is_concrete(seg_parent, seg_child, seg_len):
         validate_forest(seg_parent, seg_child, num_nodes, seg_len=seg_len)
-    return _trajectory_kernel(parent, child, seg_len_s, num_nodes)[1]
+    return _trajectory_kernel(parent, child, seg_len_s, num_nodes)
 
 
 @jax.jit

@@ -185,12 +185,7 @@ class Remote:
         self._fail_inflight("crash", lambda call: f"{self} was let go during {call.op!r}")
 
     def close_channel(self) -> None:
-        self.reader.close()
-        for fd in {self.rfd, self.wfd}:
-            try:
-                os.close(fd)
-            except OSError:
-                pass
+        wire.close_channel(self.reader, self.rfd, self.wfd)
         self.rfd = self.wfd = -1
 
 
@@ -356,13 +351,7 @@ class RemoteSandbox(Sandbox):
             self._after_reset(task)
             return observation, info
 
-        return self.remote.request(
-            "reset",
-            task,
-            timeout_s=self.backend.reset_timeout_s,
-            on_fault=self._on_fault,
-            convert=convert,
-        )
+        return self._request("reset", task, self.backend.reset_timeout_s, convert)
 
     def start_step(self, action: str | None) -> Call:
         self._check_open()
@@ -372,12 +361,12 @@ class RemoteSandbox(Sandbox):
             self._after_step(result)
             return result
 
+        return self._request("step", action, self.backend.step_timeout_s, convert)
+
+    def _request(self, op: str, arg: Any, timeout_s: float, convert: Callable[[Any], Any]) -> Call:
+        """Sends `op(arg)` to the worker; a failed call faults this sandbox (`_on_fault`)."""
         return self.remote.request(
-            "step",
-            action,
-            timeout_s=self.backend.step_timeout_s,
-            on_fault=self._on_fault,
-            convert=convert,
+            op, arg, timeout_s=timeout_s, on_fault=self._on_fault, convert=convert
         )
 
     def _on_fault(self, kind: str, reason: str) -> None:

@@ -28,6 +28,7 @@ __all__ = [
     "FrameReader",
     "PeerClosed",
     "ProtocolError",
+    "close_channel",
     "encode",
     "recv_blocking",
     "send_blocking",
@@ -164,6 +165,17 @@ class FrameReader:
 
     def has_partial(self) -> bool:
         return bool(self._buf)
+
+
+def close_channel(reader: FrameReader, rfd: int, wfd: int) -> None:
+    """Closes one end of a channel: its reader, then its fds (one fd where they are equal, as on
+    a socket); an fd that is closed already is passed over."""
+    reader.close()
+    for fd in {rfd, wfd}:
+        try:
+            os.close(fd)
+        except OSError:
+            pass
 
 
 def recv_blocking(reader: FrameReader) -> Any:

@@ -62,12 +62,7 @@ class Channel:
         wire.send_blocking(self.wfd, obj)
 
     def close(self) -> None:
-        self.reader.close()
-        for fd in {self.rfd, self.wfd}:
-            try:
-                os.close(fd)
-            except OSError:
-                pass
+        wire.close_channel(self.reader, self.rfd, self.wfd)
 
 
 # A worker serves one request at a time: math-library thread pools only slow down its forks and

@@ -267,18 +267,7 @@ class CriuBackend(SandboxBackend):
         argv = [sys.executable, "-m", "envs.sandbox.criu_proc", str(req_r), str(resp_w)]
         if self.network_namespace:
             argv.append("--net")
-        try:
-            launcher = subprocess.Popen(
-                argv,
-                pass_fds=(req_r, resp_w),
-                stdin=subprocess.DEVNULL,
-                stdout=subprocess.PIPE,
-                process_group=0,
-                env=worker_environ(),
-            )
-        finally:
-            os.close(req_r)
-            os.close(resp_w)
+        launcher = _start(argv, req_r, resp_w, process_group=0, env=worker_environ())
         self._launchers.append(launcher)
         assert launcher.stdout is not None
         ready = select.select([launcher.stdout], [], [], self.reset_timeout_s)[0]
@@ -397,18 +386,7 @@ class CriuBackend(SandboxBackend):
                 ]  # fmt: skip
                 if self.network_namespace:
                     args.append("--tcp-established")
-                try:
-                    proc = subprocess.Popen(
-                        args,
-                        pass_fds=(req_r, resp_w),
-                        stdin=subprocess.DEVNULL,
-                        stdout=subprocess.PIPE,
-                        stderr=subprocess.STDOUT,
-                        text=True,
-                    )
-                finally:
-                    os.close(req_r)
-                    os.close(resp_w)
+                proc = _start(args, req_r, resp_w, stderr=subprocess.STDOUT, text=True)
                 jobs.append((proc, work, req_w, resp_r))
         except BaseException:
             for proc, _, req_w, resp_r in jobs:
@@ -474,6 +452,22 @@ def _remove_orphaned_roots(base: str) -> None:
         if name.startswith(_ROOT_PREFIX) and pid_text.isdigit():
             if not procutil.pid_alive(int(pid_text)):
                 shutil.rmtree(os.path.join(base, name), ignore_errors=True)
+
+
+def _start(argv: list[str], req_r: int, resp_w: int, **popen: Any) -> subprocess.Popen:
+    """Starts `argv` with a worker channel's far ends (the request pipe's read end, the reply
+    pipe's write end), which it inherits and this process then closes; its stdout is a pipe."""
+    try:
+        return subprocess.Popen(
+            argv,
+            pass_fds=(req_r, resp_w),
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            **popen,
+        )
+    finally:
+        os.close(req_r)
+        os.close(resp_w)
 
 
 def _read_pid(path: str) -> int | None:

@@ -140,12 +140,19 @@ class FileTools:
         if number < low or number > len(lines):
             raise ToolError(f"line {number} is outside {rel}, which has {len(lines)} lines.")
 
-    def _tool_replace(self, call: tools.ToolCall) -> str:
+    def _edit_target(
+        self, call: tools.ToolCall, allow_zero: bool = False
+    ) -> tuple[Workspace, str, list[str]]:
+        """(workspace, resolved path, its lines) for an editing call, its start line checked."""
         ws = self._ws
         assert ws is not None
         rel = ws.resolve(call.path)
         lines = self._lines(rel)
-        self._check_line(rel, lines, call.start)
+        self._check_line(rel, lines, call.start, allow_zero=allow_zero)
+        return ws, rel, lines
+
+    def _tool_replace(self, call: tools.ToolCall) -> str:
+        ws, rel, lines = self._edit_target(call)
         line = lines[call.start - 1]
         replaced = tools.replace_in_line(line, call.text, call.new)
         if replaced is None:
@@ -164,11 +171,7 @@ class FileTools:
         return [(indent + piece if piece.strip() else piece) + "\n" for piece in text.split("\n")]
 
     def _tool_edit(self, call: tools.ToolCall) -> str:
-        ws = self._ws
-        assert ws is not None
-        rel = ws.resolve(call.path)
-        lines = self._lines(rel)
-        self._check_line(rel, lines, call.start)
+        ws, rel, lines = self._edit_target(call)
         self._check_line(rel, lines, call.end)
         if call.end < call.start:
             raise ToolError(f"the range {call.start}-{call.end} is empty; use 'insert' to add.")
@@ -181,11 +184,7 @@ class FileTools:
         return "Edited. " + self._window(rel, lines, call.start, last)
 
     def _tool_insert(self, call: tools.ToolCall) -> str:
-        ws = self._ws
-        assert ws is not None
-        rel = ws.resolve(call.path)
-        lines = self._lines(rel)
-        self._check_line(rel, lines, call.start, allow_zero=True)
+        ws, rel, lines = self._edit_target(call, allow_zero=True)
         if not call.text:
             raise ToolError("'insert' needs the text to insert.")
         if lines and not lines[-1].endswith("\n"):

@@ -11,18 +11,19 @@ of it before they create the env.
 from __future__ import annotations
 
 import abc
+import dataclasses
 import importlib
 import itertools
 from collections.abc import Callable, Mapping
 from typing import Any, ClassVar, TypeVar
 
+from envs.base import Task
 from envs.sandbox.base import (
     HandleError,
     Sandbox,
     SandboxError,
     SnapshotHandle,
     SnapshotLimitError,
-    _Held,
 )
 
 __all__ = [
@@ -35,6 +36,19 @@ __all__ = [
 
 
 _B = TypeVar("_B", bound="type[SandboxBackend]")
+
+
+@dataclasses.dataclass
+class _Held:
+    """A held snapshot: the backend's own record plus the episode bookkeeping at that point."""
+
+    record: Any
+    task: Task | None
+    steps: int
+    done: bool
+
+    def apply(self, sandbox: Sandbox) -> None:
+        sandbox.task, sandbox.steps, sandbox.done = self.task, self.steps, self.done
 
 
 class SandboxBackend(abc.ABC):

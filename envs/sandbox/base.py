@@ -26,12 +26,9 @@ from __future__ import annotations
 import abc
 import dataclasses
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from envs.base import StepResult, Task
-
-if TYPE_CHECKING:
-    from envs.sandbox.backend import SandboxBackend
 
 __all__ = [
     "BackendUnavailableError",
@@ -41,6 +38,7 @@ __all__ = [
     "Sandbox",
     "SandboxError",
     "SandboxFault",
+    "SandboxOwner",
     "SnapshotHandle",
     "SnapshotLimitError",
     "SnapshotUnsupportedError",
@@ -151,10 +149,28 @@ class DoneCall(Call):
         return self._value
 
 
+class SandboxOwner(Protocol):
+    """What a sandbox asks of the backend that made it (`envs.sandbox.backend.SandboxBackend`).
+
+    A protocol, so that imports run one way: the backend's module imports this one.
+    """
+
+    @property
+    def name(self) -> str: ...
+
+    def _take_snapshot(self, sandbox: Sandbox) -> SnapshotHandle: ...
+
+    def _restore_into(self, sandbox: Sandbox, handle: SnapshotHandle) -> None: ...
+
+    def _close_sandbox(self, sandbox: Sandbox) -> None: ...
+
+    def _fault(self, sandbox: Sandbox) -> None: ...
+
+
 class Sandbox(abc.ABC):
     """One environment instance with snapshot/restore. Create it with `backend.new_sandbox()`."""
 
-    def __init__(self, backend: SandboxBackend):
+    def __init__(self, backend: SandboxOwner):
         self.backend = backend
         self.closed = False
         self.steps = 0  # Actions taken in the current episode.
@@ -223,16 +239,3 @@ class Sandbox(abc.ABC):
     def __repr__(self) -> str:
         state = "closed" if self.closed else f"steps={self.steps}"
         return f"<{type(self).__name__} {self.backend.name} {state}>"
-
-
-@dataclasses.dataclass
-class _Held:
-    """A held snapshot: the backend's own record plus the episode bookkeeping at that point."""
-
-    record: Any
-    task: Task | None
-    steps: int
-    done: bool
-
-    def apply(self, sandbox: Sandbox) -> None:
-        sandbox.task, sandbox.steps, sandbox.done = self.task, self.steps, self.done

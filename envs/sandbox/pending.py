@@ -23,15 +23,35 @@ import select
 import threading
 import time
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from envs.base import StepResult
 from envs.sandbox.base import Call, Sandbox, SandboxError
 
-if TYPE_CHECKING:
-    from envs.sandbox.pool import SandboxPool
+__all__ = ["PendingSteps", "ReplyClock", "StepsOwner", "read_arrived"]
 
-__all__ = ["PendingSteps", "ReplyClock", "read_arrived"]
+
+class StepsOwner(Protocol):
+    """What a batch of steps asks of the pool that made it (`envs.sandbox.pool.SandboxPool`).
+
+    A protocol, so that imports run one way: the pool's module imports this one.
+    """
+
+    def close_sandbox(self, sid: int) -> None: ...
+
+    def _check_open(self) -> None: ...
+
+    def _progress(self, block: bool) -> None: ...
+
+    def _collect(self, batch: PendingSteps, calls: list[Call]) -> list[StepResult]: ...
+
+    def _drop(self, batch: PendingSteps) -> None: ...
+
+    def _clock_watch(self, fd: int) -> int: ...
+
+    def _clock_take(self, key: int) -> float | None: ...
+
+    def _clock_forget(self, key: int) -> None: ...
 
 
 class PendingSteps:
@@ -44,7 +64,7 @@ class PendingSteps:
       wait_seconds: seconds `results()` spent blocked (what the caller waited for the envs).
     """
 
-    def __init__(self, pool: SandboxPool, requests: list, sandboxes: list[Sandbox], watch: bool):
+    def __init__(self, pool: StepsOwner, requests: list, sandboxes: list[Sandbox], watch: bool):
         self.requests = requests
         self.latencies: list[float] = []
         self.wait_seconds = 0.0

@@ -45,6 +45,20 @@ resolve_run() {  # sets RUN_ID and DIR from --run-id or runs/LATEST
   [ -d "$DIR" ] || die "run $RUN_ID not found on this worker (no $DIR)"
 }
 
+# resolve_run_option CMD ARGS...: resolve_run for a command whose only option is [--run-id ID]
+resolve_run_option() {
+  local cmd=$1
+  shift
+  RUN_ID=""
+  while [ $# -gt 0 ]; do
+    case "$1" in
+      --run-id) RUN_ID=$2; shift 2 ;;
+      *) die "$cmd: unknown option $1" ;;
+    esac
+  done
+  resolve_run
+}
+
 alive() {  # alive PIDFILE EXITFILE: the run's process group leader still runs
   local pid
   [ -f "$1" ] || return 1
@@ -169,14 +183,7 @@ cmd_start() {
 }
 
 cmd_status() {
-  RUN_ID=""
-  while [ $# -gt 0 ]; do
-    case "$1" in
-      --run-id) RUN_ID=$2; shift 2 ;;
-      *) die "status: unknown option $1" ;;
-    esac
-  done
-  resolve_run
+  resolve_run_option status "$@"
   report
 }
 
@@ -203,14 +210,7 @@ cmd_logs() {
 }
 
 cmd_stop() {
-  RUN_ID=""
-  while [ $# -gt 0 ]; do
-    case "$1" in
-      --run-id) RUN_ID=$2; shift 2 ;;
-      *) die "stop: unknown option $1" ;;
-    esac
-  done
-  resolve_run
+  resolve_run_option stop "$@"
   local pidf="$DIR/host$HOST.pid" exitf="$DIR/host$HOST.exit" pid i
   if ! alive "$pidf" "$exitf"; then
     report || true

@@ -187,7 +187,8 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    # `Sweep` lives in `sweep_plan`: sweep files (which import this module again, under its own
-    # name) and this command check against one class.
-    define_flags()
-    app.run(main)
+    # Run the importable module's main, so that sweep files and this command share one `Sweep`.
+    from bpo_jax.study import sweep as _sweep
+
+    _sweep.define_flags()
+    app.run(_sweep.main)

@@ -10,5 +10,7 @@ Modules: `sweep` (the sweep command: algorithms x seeds x ablations, resumable),
 as subprocesses, N at a time, Ctrl-C, resume) and `sweep_commit` (sweep.json, finished runs,
 committed records); `records` (reading run folders),
 `stats` (bootstrap CIs, IQM, paired comparisons), `tables` and `figures` (the paper's tables),
-`probe` (gradient variance of each estimator at matched spend).
+`probe` (gradient variance of each estimator at matched spend: the flow and the command), with
+`probe_sample` (playing the batches, each task's gradient, `ProbeStore`) and `probe_stats` (trace
+variance ratios, CIs, the report).
 """

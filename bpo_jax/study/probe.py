@@ -38,290 +38,44 @@ gets the probe's `config.json` (the record `bpo_jax.study.tables` reads the seed
 
 `run_probe` takes any policy and gradient function: tests/test_probe.py runs it on the tabular
 MDPs with an exact softmax-table gradient.
+
+The sampling (batches, gradients, `ProbeStore`) is `bpo_jax.study.probe_sample`, the statistics
+and the report `bpo_jax.study.probe_stats`; this module is the probe's flow and its command.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
-import io
 import json
-import time
 
 import jax
-import jax.numpy as jnp
 import numpy as np
-import optax
 
 from bpo_jax import learner
 from bpo_jax.algorithms import ALGORITHMS
 from bpo_jax.builders import make_agent, make_critic
 from bpo_jax.config import ExperimentConfig
 from bpo_jax.io import files
-from bpo_jax.learner import round_up
-from bpo_jax.rl import RolloutState, forest_advantages, tree_spec
-from bpo_jax.rollout.engine import play_forest
-from bpo_jax.study import stats
+from bpo_jax.study.probe_sample import (
+    BatchSampler,
+    ModelGradients,
+    ProbeStore,
+    batch_gradient,
+    count_sketch,
+    make_grad_fn,
+)
+from bpo_jax.study.probe_stats import StreamedTrace, add_ratios, algorithm_statistics, write_report
 
-
-def make_grad_fn(graphdef, temperature: float, loss_agg: str):
-    """Jitted `(params, batch) -> (grads, weight_sum)` of the clipped PG loss at ratio 1."""
-    model_fn = learner.make_model_fn(graphdef)
-
-    @jax.jit
-    def grad_fn(params, batch):
-        def objective(p):
-            loss, _ = learner.pg_loss(
-                model_fn, p, batch, clip_eps=0.2, loss_agg=loss_agg, temperature=temperature
-            )
-            return loss
-
-        den = jnp.sum(batch.loss_mask * batch.weights[:, None])
-        return jax.grad(objective)(params), den
-
-    return grad_fn
-
-
-def batch_gradient(grad_fn, logprob_fn, params, examples, cfg: ExperimentConfig, pad_id: int):
-    """The gradient of the loss over all `examples` as one token-weighted mean; None where it
-    is exactly zero (no examples, or every advantage 0).
-
-    Chunks of `train.minibatch_size` are combined with weights (their share of the total token
-    weight), which equals a single batch's token-mean gradient. At ratio 1 a chunk whose
-    advantages are all 0 has a zero gradient: only its token weight is counted, on the host
-    (most of a sparse-reward batch's tasks won nothing; their gradients cost nothing).
-    """
-    size = cfg.train.minibatch_size
-    total, acc = 0.0, None
-    for i in range(0, len(examples), size):
-        chunk = examples[i : i + size]
-        length = round_up(max(len(e.tokens) for e in chunk), cfg.sampler.length_bucket)
-        batch = learner.pad_batch(
-            [e.tokens for e in chunk],
-            [e.action_start for e in chunk],
-            batch_size=size,
-            length=length,
-            pad_id=pad_id,
-            advantages=[e.advantage for e in chunk],
-            weights=[e.weight for e in chunk],
-        )
-        if all(e.advantage == 0.0 for e in chunk):
-            # `grad_fn`'s denominator, without the model.
-            total += float(np.sum(batch.loss_mask * np.asarray(batch.weights)[:, None]))
-            continue
-        old, _ = logprob_fn(params, batch.tokens)  # Ratio 1: the behaviour policy is params.
-        batch = dataclasses.replace(batch, old_logprobs=np.asarray(old) * batch.loss_mask)
-        grads, den = grad_fn(params, batch)
-        den = float(den)
-        scaled = jax.tree.map(lambda g, d=den: g * d, grads)
-        acc = scaled if acc is None else jax.tree.map(jnp.add, acc, scaled)
-        total += den
-    if acc is None:
-        return None
-    return jax.tree.map(lambda g: g / max(total, 1e-12), acc)
-
-
-SPEND_TOLERANCE = (0.95, 1.05)
-
-
-def _hash(idx, salt: int):
-    """A 32-bit mixing hash of uint32 indices (murmur3's finaliser)."""
-    x = idx ^ jnp.uint32(salt)
-    x = (x ^ (x >> 16)) * jnp.uint32(0x85EBCA6B)
-    x = (x ^ (x >> 13)) * jnp.uint32(0xC2B2AE35)
-    return x ^ (x >> 16)
-
-
-@functools.partial(jax.jit, static_argnames=("dim",))
-def _sketch_leaf(g, offset, dim: int, seed: int):
-    idx = jnp.arange(g.size, dtype=jnp.uint32) + offset.astype(jnp.uint32)
-    bucket = (_hash(idx, seed) % jnp.uint32(dim)).astype(jnp.int32)
-    sign = 1.0 - 2.0 * (_hash(idx, seed + 0x5BD1E995) & jnp.uint32(1)).astype(jnp.float32)
-    return jax.ops.segment_sum(g.reshape(-1).astype(jnp.float32) * sign, bucket, dim)
-
-
-def count_sketch(tree, dim: int, seed: int = 0) -> np.ndarray:
-    """A count sketch of a pytree's flattened values: float32 [dim], `E<S x, S y> = <x, y>`."""
-    out, offset = jnp.zeros((dim,), jnp.float32), 0
-    for leaf in jax.tree.leaves(tree):
-        out = out + _sketch_leaf(leaf, jnp.asarray(offset % 2**32, jnp.uint32), dim, seed)
-        offset += leaf.size
-    return np.asarray(out, np.float64)
-
-
-class ModelGradients:
-    """Per-task gradients of the policy-gradient loss of a language-model policy (sketched).
-
-    `__call__(forest, adv, weights, cfg) -> [num_tasks, sketch_dim]` plus `exact_batch`, the
-    exact batch gradient (the mean over tasks) of the last call, for the streamed trace.
-    """
-
-    def __init__(self, graphdef, params, pad_id: int, cfg: ExperimentConfig, sketch_dim=2**15):
-        self.grad_fn = make_grad_fn(graphdef, cfg.sampler.temperature, cfg.train.loss_agg)
-        self.logprob_fn = learner.make_logprob_fn(graphdef, cfg.sampler.temperature)
-        self.params, self.pad_id, self.dim = params, pad_id, sketch_dim
-        self.exact_batch = None
-
-    def __call__(self, forest, adv, weights, cfg) -> np.ndarray:
-        task_of = [seg.task for seg in forest.segments for _ in seg.steps]
-        by_task = [[] for _ in forest.task_ids]
-        for step, task, a, w in zip(forest.steps(), task_of, adv, weights):
-            if step.action_ids:
-                by_task[task].append(
-                    learner.Example(
-                        step.prompt_ids + step.action_ids, len(step.prompt_ids), float(a), float(w)
-                    )
-                )
-        rows, total = [], None
-        for examples in by_task:
-            g = batch_gradient(
-                self.grad_fn, self.logprob_fn, self.params, examples, cfg, self.pad_id
-            )
-            if g is None:  # Nothing generated, or no advantage: an exactly zero gradient.
-                rows.append(np.zeros(self.dim))
-                continue
-            rows.append(count_sketch(g, self.dim))
-            total = g if total is None else jax.tree.map(jnp.add, total, g)
-        n = len(by_task)
-        self.exact_batch = None if total is None else jax.tree.map(lambda x: x / n, total)
-        return np.stack(rows)
-
-
-def _play(pool, policy, encode, tasks, cfg: ExperimentConfig, state: RolloutState, rng):
-    """`rl.play_batch` with a given prompt encoder (tabular policies read state ids)."""
-    forest = play_forest(
-        pool,
-        policy,
-        encode,
-        tasks,
-        tree_spec(cfg, state),
-        rng=rng,
-        selector=state.selector,
-        lengths=state.lengths,
-        costs=state.costs,
-    )
-    state.adapt(cfg, forest)
-    return forest
-
-
-class StreamedTrace:
-    """`E||g - mean g||^2` (unbiased over M) of gradients seen one at a time, kept as a running
-    sum (one parameter-sized buffer) and each gradient's squared norm. `add(None)` counts an
-    exactly zero gradient (a batch that won nothing): it is one of the M draws."""
-
-    def __init__(self, total=None, sq=()):
-        self.total, self.sq = total, list(sq)
-
-    def add(self, tree) -> None:
-        if tree is None:
-            self.sq.append(0.0)
-            return
-        leaves = [jnp.asarray(x) for x in jax.tree.leaves(tree)]
-        self.total = leaves if self.total is None else [a + b for a, b in zip(self.total, leaves)]
-        self.sq.append(float(optax.tree.norm(leaves)) ** 2)
-
-    def value(self) -> float:
-        m = len(self.sq)
-        total = 0.0 if self.total is None else float(optax.tree.norm(self.total)) ** 2
-        return float((np.mean(self.sq) - total / m**2) * m / max(m - 1, 1))
-
-
-def _npz_bytes(**arrays) -> bytes:
-    buf = io.BytesIO()
-    np.savez(buf, **arrays)
-    return buf.getvalue()
-
-
-class ProbeStore:
-    """A probe's recorded batches on disk (`ROOT/<algo>/`), so an interrupted probe resumes.
-
-    A recorded batch is written as `batch_<m>.npz` (its per-task gradient rows, task costs,
-    leaves, tokens and first-step entropies), then committed by `resume.npz`: the number of
-    batches done, the rollout state after the batch (`RolloutState.dump`) and the exact trace's
-    running sum. A batch file past the committed count was cut short and is played again. A
-    resumed probe plays the remaining batches with the same keys from the saved rollout
-    statistics; the branch rule's own random stream is not saved, so those batches are fresh
-    draws of the same procedure rather than bit-for-bit an uninterrupted run's.
-
-    `identity` (JSON data: the config, algorithms, tasks, batches, parameters' step) is written
-    once; a store holding another probe's batches is refused, naming what differs.
-    """
-
-    def __init__(self, root, identity: dict):
-        self.root = files.as_path(root)
-        identity = json.loads(json.dumps(identity, default=str))  # As it reads back.
-        path = self.root / "identity.json"
-        if path.exists():
-            held = json.loads(path.read_text())
-            if held != identity:
-                keys = sorted(
-                    k for k in held.keys() | identity.keys() if held.get(k) != identity.get(k)
-                )
-                raise ValueError(
-                    f"{self.root} holds the batches of a different probe (it differs in "
-                    f"{keys}); remove that folder to start this probe over."
-                )
-        else:
-            self.root.mkdir(parents=True, exist_ok=True)
-            files.write_text(path, json.dumps(identity, indent=2, sort_keys=True))
-
-    def load(self, algo: str) -> tuple[list[dict], dict | None, StreamedTrace]:
-        """The committed batches of `algo` (in order), the rollout state after the last one
-        (None when there are none) and the exact trace so far."""
-        path = self.root / algo / "resume.npz"
-        if not path.exists():
-            return [], None, StreamedTrace()
-        with np.load(io.BytesIO(path.read_bytes())) as z:
-            count = int(z["count"])
-            state = json.loads(str(z["state"]))
-            sq = z["sq"].tolist()
-            total = [z[f"total_{i}"] for i in range(int(z["num_leaves"]))] or None
-        batches = []
-        for m in range(count):
-            batch_path = self.root / algo / f"batch_{m:04d}.npz"
-            if not batch_path.exists():
-                raise FileNotFoundError(
-                    f"{batch_path} is missing but {path} commits {count} batches: the store is "
-                    "damaged; remove its folder to start the probe over."
-                )
-            with np.load(io.BytesIO(batch_path.read_bytes())) as z:
-                batches.append({k: z[k] for k in z.files})
-        total = None if total is None else [jnp.asarray(x) for x in total]
-        return batches, state, StreamedTrace(total, sq)
-
-    def save(self, algo: str, m: int, batch: dict, state: dict, trace: StreamedTrace) -> None:
-        """Writes batch `m` of `algo`, then commits it (`m + 1` batches done)."""
-        folder = self.root / algo
-        folder.mkdir(parents=True, exist_ok=True)
-        files.write_bytes(folder / f"batch_{m:04d}.npz", _npz_bytes(**batch))
-        total = {f"total_{i}": np.asarray(x) for i, x in enumerate(trace.total or [])}
-        files.write_bytes(
-            folder / "resume.npz",
-            _npz_bytes(
-                count=np.asarray(m + 1),
-                state=np.asarray(json.dumps(state)),
-                sq=np.asarray(trace.sq, np.float64),
-                num_leaves=np.asarray(len(total)),
-                **total,
-            ),
-        )
-
-
-def _trace_summary(k: np.ndarray, norms: np.ndarray) -> dict:
-    m = k.shape[0]
-    trace = stats.trace_covariance_from_gram(k)
-    mean_sq = float(k.sum()) / m**2
-    signal = max(mean_sq - trace / m, 0.0)  # ||E g||^2 without the trace / M of the mean.
-    return {
-        "batches": m,
-        "trace_var": trace,
-        "signal_sq": signal,
-        # Comparable across estimators that scale advantages differently (GRPO).
-        "noise_to_signal": trace / signal if signal > 0 else float("inf"),
-        "norm_var": float(np.var(norms, ddof=1)),
-        "norm_mean": float(norms.mean()),
-        "mean_grad_norm": float(np.sqrt(mean_sq)),
-    }
+# What tests and callers use from the probe's module.
+__all__ = [
+    "ModelGradients",
+    "ProbeStore",
+    "StreamedTrace",
+    "batch_gradient",
+    "count_sketch",
+    "make_grad_fn",
+    "run_probe",
+]
 
 
 def run_probe(
@@ -374,114 +128,36 @@ def run_probe(
     if encode is None:  # The run's own turn format (tiny or chat).
         encode = make_agent(cfg, policy.tokenizer)
     boot = np.random.default_rng(seed)
-    # The exact batch-level trace, where the gradient function gives exact batch gradients.
-    exact = hasattr(gradients, "exact_batch")
-    shared = RolloutState.create(cfg)
+    sampler = BatchSampler(
+        pool,
+        policy,
+        encode,
+        tasks,
+        cfg,
+        rng,
+        gradients,
+        critic_for=critic_for,
+        params=params,
+        warmup_batches=warmup_batches,
+        store=store,
+        progress=progress,
+    )
     results, grams, per_task_grams = {}, {}, {}
-    budget = ref_cost = None
-    entropies: list[float] = []
+    budget = None  # The reference's measured cost per task: the trees' budget.
     for ai, algo in enumerate(algos):
         acfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, algo=algo))
-        tree = ALGORITHMS[algo].branches
-        if budget is not None and tree:
+        matched = budget if ALGORITHMS[algo].branches else None
+        if matched is not None:
             acfg = dataclasses.replace(
-                acfg, rollout=dataclasses.replace(cfg.rollout, budget=budget)
+                acfg, rollout=dataclasses.replace(cfg.rollout, budget=matched)
             )
-        state = dataclasses.replace(shared, selector=RolloutState.create(acfg).selector)
-        if entropies:
-            state.selector.observe(np.asarray(entropies))
-        critic = critic_for(acfg) if (critic_for and acfg.algorithm.needs_critic) else None
-        done, dump, trace = store.load(algo) if store else ([], None, StreamedTrace())
-        if dump is not None:  # Resumed: the rollout statistics as they were after the last batch.
-            state = RolloutState.create(acfg).loaded(dump)
-            shared = dataclasses.replace(shared, lengths=state.lengths, costs=state.costs)
-        rows = [b["rows"] for b in done]
-        costs = [b["costs"] for b in done]
-        leaves = [int(b["leaves"]) for b in done]
-        tokens = [int(b["tokens"]) for b in done]
+        recorded = sampler.record(ai, algo, acfg, num_batches, matched)
+        results[algo], grams[algo], per_task_grams[algo] = algorithm_statistics(
+            algo, algos[0], recorded, budget, matched
+        )
         if ai == 0:
-            entropies += [float(x) for b in done for x in b["entropies"]]
-        first = len(done) if done else -(warmup_batches if (tree and ai) else 0)
-        for m in range(first, num_batches):
-            start = time.perf_counter()
-            key = jax.random.fold_in(rng, 100_000 * ai + m + 1000)
-            forest = _play(pool, policy, encode, tasks, acfg, state, key)
-            if m < 0:
-                continue
-            adv, _ = forest_advantages(forest, acfg, critic, params)
-            g = gradients(forest, adv, forest.step_weights(acfg.train.step_weighting), acfg)
-            batch = {
-                "rows": np.asarray(g, np.float64),
-                "costs": np.asarray(forest.task_cost, np.float64),
-                "leaves": np.asarray(len(forest.leaves)),
-                "tokens": np.asarray(forest.stats.generated_tokens),
-                "entropies": np.asarray(
-                    [float(s.entropies[0]) for s in forest.steps() if s.entropies.size]
-                    if ai == 0
-                    else [],
-                    np.float64,
-                ),
-            }
-            if exact:
-                trace.add(gradients.exact_batch)  # None: this batch's gradient is exactly 0.
-            if store is not None:
-                store.save(algo, m, batch, state.dump(), trace)
-            rows.append(batch["rows"])
-            costs.append(batch["costs"])
-            leaves.append(int(batch["leaves"]))
-            tokens.append(int(batch["tokens"]))
-            if ai == 0:
-                entropies += batch["entropies"].tolist()
-            if progress is not None:
-                target = f" of a budget of {budget:.0f}" if (tree and ai) else ""
-                progress(
-                    f"probe {algo} batch {m + 1}/{num_batches}: "
-                    f"{time.perf_counter() - start:.0f} s, cost per task "
-                    f"{batch['costs'].mean():.0f}{target}, {len(forest.leaves)} leaves, "
-                    f"{int(np.count_nonzero(np.asarray(adv)))} steps with an advantage"
-                )
-        g_mtd = np.stack(rows)  # [M, tasks, D]
-        costs = np.stack(costs)  # [M, tasks]
-        batch = g_mtd.mean(axis=1)
-        grams[algo] = stats.gram(batch)
-        per_task_grams[algo] = [stats.gram(g_mtd[:, t]) for t in range(g_mtd.shape[1])]
-        r = _trace_summary(grams[algo], np.linalg.norm(batch, axis=1))
-        r["per_task_trace_var"] = [
-            stats.trace_covariance_from_gram(k) for k in per_task_grams[algo]
-        ]
-        if exact:
-            r["exact_trace_var"] = trace.value()
-        r["leaves"], r["generated_tokens"] = leaves, tokens
-        r["task_cost_mean"] = float(costs.mean())
-        r["task_cost_per_task"] = costs.mean(axis=0).tolist()
-        if ai == 0:
-            budget = ref_cost = float(costs.mean())
-        r["budget"] = budget if (tree and ai) else None
-        r["spend_ratio"] = float(costs.mean() / ref_cost)
-        r["spend_ratio_per_task"] = (costs.mean(axis=0) / ref_cost).tolist()
-        lo, hi = SPEND_TOLERANCE
-        r["spend_matched"] = bool(lo <= r["spend_ratio"] <= hi)
-        r["spend_warning"] = None
-        if not r["spend_matched"]:
-            r["spend_warning"] = (
-                f"{algo} spent {r['spend_ratio']:.3f} of {algos[0]}'s measured cost per task "
-                f"(outside [{lo}, {hi}]): its variance ratio is not at matched spend."
-            )
-        results[algo] = r
-    base = algos[0]
-    for algo in algos:
-        r, b = results[algo], results[base]
-        ratio, ci = stats.trace_ratio_ci(grams[algo], grams[base], boot, num_resamples)
-        r["trace_var_ratio"], r["trace_var_ratio_ci95"] = ratio, list(ci)
-        r["per_task"] = []
-        for k_a, k_b in zip(per_task_grams[algo], per_task_grams[base]):
-            if stats.trace_covariance_from_gram(k_b) <= 0:
-                r["per_task"].append({"trace_var_ratio": None, "ci95": None})
-                continue
-            t_ratio, t_ci = stats.trace_ratio_ci(k_a, k_b, boot, num_resamples)
-            r["per_task"].append({"trace_var_ratio": t_ratio, "ci95": list(t_ci)})
-        r["norm_var_ratio"] = r["norm_var"] / max(b["norm_var"], 1e-30)
-        r["noise_to_signal_ratio"] = r["noise_to_signal"] / max(b["noise_to_signal"], 1e-30)
+            budget = results[algo]["task_cost_mean"]
+    add_ratios(results, grams, per_task_grams, algos, boot, num_resamples)
     return results
 
 
@@ -501,7 +177,6 @@ def main(argv):
     from bpo_jax import builders
     from bpo_jax.config import validate
     from bpo_jax.io.checkpoint import Checkpointer
-    from bpo_jax.io.metrics import MetricWriter
     from bpo_jax.models import sharding
     from bpo_jax.run_state import initial_state
 
@@ -568,45 +243,7 @@ def main(argv):
             store=store,
             progress=lambda line: print(line, flush=True),
         )
-    warnings = [r["spend_warning"] for r in results.values() if r["spend_warning"]]
-    out = {
-        "update_step": step,
-        "tasks": [t.task_id for t in tasks],
-        "results": results,
-        "warnings": warnings,
-    }
-    files.write_text(workdir / "probe.json", json.dumps(out, indent=2))
-    writer = MetricWriter(workdir)
-    for algo in algos[1:]:
-        lo, hi = results[algo]["trace_var_ratio_ci95"]
-        writer.write(
-            step,
-            {
-                f"probe/{algo}_over_{algos[0]}_trace_var": results[algo]["trace_var_ratio"],
-                f"probe/{algo}_over_{algos[0]}_trace_var_lo": lo,
-                f"probe/{algo}_over_{algos[0]}_trace_var_hi": hi,
-                f"probe/{algo}_spend_ratio": results[algo]["spend_ratio"],
-                f"probe/{algo}_over_{algos[0]}_norm_var": results[algo]["norm_var_ratio"],
-                f"probe/{algo}_over_{algos[0]}_noise_to_signal": results[algo][
-                    "noise_to_signal_ratio"
-                ],
-            },
-        )
-    writer.close()
-    print(
-        f"{'algo':8} {'E|g-mean g|^2':>14} {'ratio':>7} {'95% CI':>15} {'Var|g|':>10} "
-        f"{'ratio':>7} {'spend':>6} {'cost/task':>10}"
-    )
-    for algo in algos:
-        r = results[algo]
-        lo, hi = r["trace_var_ratio_ci95"]
-        print(
-            f"{algo:8} {r['trace_var']:14.4g} {r['trace_var_ratio']:7.3f} [{lo:5.3f}, {hi:5.3f}] "
-            f"{r['norm_var']:10.4g} {r['norm_var_ratio']:7.3f} {r['spend_ratio']:6.3f} "
-            f"{r['task_cost_mean']:10.1f}"
-        )
-    for w in warnings:
-        print("WARNING:", w)
+    write_report(workdir, step, [t.task_id for t in tasks], results, algos)
 
 
 if __name__ == "__main__":

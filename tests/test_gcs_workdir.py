@@ -1,33 +1,35 @@
 """A run whose workdir is `gs://bucket/run` writes its files to the bucket, and resumes from it.
 
-The bucket is `tests/fake_gcs.py`'s: a local folder behind the GCS JSON API (for TensorStore and
-google-cloud-storage) and behind fsspec's `gs` protocol (for epath). The run under test uses
-its real `gs://` code paths throughout; nothing in `bpo_jax` is patched.
+The buckets are an emulator's (fake-gcs-server, `tests/gcs_emulator.py`), which epath (gcsfs),
+TensorStore and google-cloud-storage reach over the GCS JSON API. The run under test uses its
+real `gs://` code paths throughout; nothing in `bpo_jax` is patched. The tests look at a bucket
+through epath too: a `gs://` path, as any reader of the run's files would.
 """
 
 import json
 import uuid
-from pathlib import Path
 
 import jax.numpy as jnp
 import pytest
-from fake_gcs import fake_gcs
+from etils import epath
+from google.cloud import storage
 from test_experiments import tiny_cpu_config
 
 from bpo_jax.io import files
 from bpo_jax.io.checkpoint import Checkpointer, abstract_like
 
+pytest_plugins = ("gcs_emulator",)  # Its session fixture, `gcs_emulator`.
+
 
 @pytest.fixture(scope="module")
-def store(tmp_path_factory):
-    """The fake bucket store: one server per session (TensorStore reads its address once)."""
-    root = tmp_path_factory.mktemp("gcs")
-    with fake_gcs(root):
-        yield root
+def store(gcs_emulator):
+    """The emulator's buckets: `store / bucket / name` is the object `gs://bucket/name`."""
+    return epath.Path("gs://")
 
 
-def _bucket(store: Path) -> tuple[str, Path]:
+def _bucket(store: epath.Path) -> tuple[str, epath.Path]:
     name = f"bucket-{uuid.uuid4().hex[:8]}"
+    storage.Client().create_bucket(name)  # The emulator makes none on a first write.
     return f"gs://{name}/run", store / name / "run"
 
 

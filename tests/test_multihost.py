@@ -10,8 +10,6 @@ devices, the processes in lockstep (`mesh.sampler=slice`).
 """
 
 import json
-import os
-import socket
 import subprocess
 import sys
 import time
@@ -19,6 +17,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from helpers import free_port, repo_env, run_together
 
 from bpo_jax.parallel import distributed
 
@@ -50,40 +49,18 @@ OVERRIDES = [
 ]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _env():
-    env = dict(os.environ)
-    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
-    return env
-
-
 def _run_two(workdir: Path, extra=()) -> list[str]:
     """Runs the two processes to the end; returns their outputs."""
-    address = f"127.0.0.1:{_free_port()}"
-    procs = [
-        subprocess.Popen(
+    address = f"127.0.0.1:{free_port()}"
+    procs, outs = run_together(
+        [
             [sys.executable, str(WORKER), str(workdir), "2", address, "2", str(i)]
             + OVERRIDES
-            + list(extra),
-            cwd=ROOT,
-            env=_env(),
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-        for i in range(2)
-    ]
-    try:
-        outs = [p.communicate(timeout=1500)[0] for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
+            + list(extra)
+            for i in range(2)
+        ],
+        timeout=1500,
+    )
     for p, out in zip(procs, outs):
         assert p.returncode == 0, out[-5000:]
     return outs
@@ -93,7 +70,7 @@ def _run_one(workdir: Path, extra=()) -> str:
     proc = subprocess.run(
         [sys.executable, str(WORKER), str(workdir), "4"] + OVERRIDES + list(extra),
         cwd=ROOT,
-        env=_env(),
+        env=repo_env(),
         capture_output=True,
         text=True,
         timeout=1500,

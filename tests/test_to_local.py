@@ -7,14 +7,10 @@ the size of a whole parameter).
 """
 
 import json
-import os
-import socket
-import subprocess
 import sys
 import textwrap
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from helpers import free_port, run_together
 
 _WORKER = textwrap.dedent(
     """
@@ -65,33 +61,11 @@ _WORKER = textwrap.dedent(
 )
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_to_local_reshards_each_process_s_block_only():
-    env = dict(os.environ)
-    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
-    address = f"127.0.0.1:{_free_port()}"
-    procs = [
-        subprocess.Popen(
-            [sys.executable, "-c", _WORKER, address, str(i)],
-            cwd=ROOT,
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-        for i in range(2)
-    ]
-    try:
-        outs = [p.communicate(timeout=600)[0] for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
+    address = f"127.0.0.1:{free_port()}"
+    procs, outs = run_together(
+        [[sys.executable, "-c", _WORKER, address, str(i)] for i in range(2)], timeout=600
+    )
     results = []
     for p, text in zip(procs, outs):
         assert p.returncode == 0, text[-5000:]

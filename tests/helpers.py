@@ -1,9 +1,11 @@
 """Set-up the tests share: subprocesses (a script that reports one RESULT line, processes run side
 by side as the hosts of one job) and the small models most tests train."""
 
+import json
 import os
 import socket
 import subprocess
+import sys
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -52,3 +54,16 @@ def run_together(
                 p.kill()
     return procs, outs
 
+
+def run_script_result(script: str, *, timeout: float):
+    """Runs `python -c script` on the CPU platform; returns the JSON of the one line it prints
+    that starts with "RESULT " (the test fails if it exits non-zero or prints no such line or
+    several)."""
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    proc = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=timeout
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    assert len(lines) == 1, proc.stdout[-4000:]
+    return json.loads(lines[0][len("RESULT ") :])

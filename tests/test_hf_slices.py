@@ -10,13 +10,12 @@ parameter read half of its bytes.
 
 import json
 import os
-import subprocess
-import sys
 import textwrap
 
 import numpy as np
 import pytest
 import torch
+from helpers import run_script_result
 from safetensors.numpy import load_file
 from test_hf_parity import CASES, _hf_model
 
@@ -158,14 +157,7 @@ _SCRIPT = textwrap.dedent(
 
 @pytest.fixture(scope="module")
 def four_devices():
-    env = dict(os.environ, JAX_PLATFORMS="cpu")
-    proc = subprocess.run(
-        [sys.executable, "-c", _SCRIPT], capture_output=True, text=True, env=env, timeout=300
-    )
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
-    assert len(lines) == 1, proc.stdout[-4000:]
-    return json.loads(lines[0][len("RESULT ") :])
+    return run_script_result(_SCRIPT, timeout=300)
 
 
 @pytest.mark.parametrize("mesh", ["1x4x1", "1x2x2"])

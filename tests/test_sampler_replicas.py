@@ -9,13 +9,10 @@ go through three layouts, two turns each (prefill, generate, append an observati
     inside the per-replica program).
 """
 
-import json
-import os
-import subprocess
-import sys
 import textwrap
 
 import pytest
+from helpers import run_script_result
 
 _SCRIPT = textwrap.dedent(
     """
@@ -144,14 +141,7 @@ _SCRIPT = textwrap.dedent(
 
 @pytest.fixture(scope="module")
 def run():
-    env = dict(os.environ, JAX_PLATFORMS="cpu")
-    proc = subprocess.run(
-        [sys.executable, "-c", _SCRIPT], capture_output=True, text=True, env=env, timeout=600
-    )
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
-    assert len(lines) == 1, proc.stdout[-4000:]
-    return json.loads(lines[0][len("RESULT ") :])
+    return run_script_result(_SCRIPT, timeout=600)
 
 
 def _assert_same_episode(got, want):

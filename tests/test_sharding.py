@@ -12,6 +12,7 @@ import textwrap
 
 import jax
 import pytest
+from helpers import run_script_result
 from jax.sharding import AbstractMesh, AxisType, PartitionSpec
 
 from bpo_jax.models import sharding
@@ -234,18 +235,7 @@ _SHARDED_SCRIPT = textwrap.dedent(
 
 @pytest.fixture(scope="module")
 def sharded_run():
-    env = dict(os.environ, JAX_PLATFORMS="cpu")
-    proc = subprocess.run(
-        [sys.executable, "-c", _SHARDED_SCRIPT],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=300,
-    )
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
-    assert len(lines) == 1, proc.stdout[-4000:]
-    return json.loads(lines[0][len("RESULT ") :])
+    return run_script_result(_SHARDED_SCRIPT, timeout=300)
 
 
 def test_parameters_are_created_sharded(sharded_run):

@@ -117,14 +117,16 @@ _SCRIPT = textwrap.dedent(
     _, abstract = nnx.split(abstract_model(cfg))
     flat_vars = dict(nnx.to_flat_state(abstract))
     out = {}
+
+    def entry_reader(e, specs):  # Its shape and sharding in our model, and a fresh file.
+        return flat_vars[e.path].get_value().shape, specs[e.path].get_value(), SafetensorsFile(file)
+
     for mesh_shape in [(1, 4, 1), (1, 2, 2)]:
         mesh = sharding.make_mesh(mesh_shape)
         specs = dict(nnx.to_flat_state(param_specs(abstract, mesh)))
         rows = {}
         for e in entries:
-            shape = flat_vars[e.path].get_value().shape
-            s = specs[e.path].get_value()
-            f = SafetensorsFile(file)
+            shape, s, f = entry_reader(e, specs)
             value = hf_import.load_param(e, shape, np.float32, s, {n: f for n in e.hf_names})
             ref = e.to_ours(*(tensors[n] for n in e.hf_names))
             rows["/".join(map(str, e.path))] = {
@@ -140,9 +142,7 @@ _SCRIPT = textwrap.dedent(
     specs = dict(nnx.to_flat_state(param_specs(abstract, mesh)))
     half = {}
     for e in entries:
-        shape = flat_vars[e.path].get_value().shape
-        s = specs[e.path].get_value()
-        f = SafetensorsFile(file)
+        shape, s, f = entry_reader(e, specs)
         reader = hf_import.slice_reader(e, shape, np.float32, {n: f for n in e.hf_names})
         indices = s.devices_indices_map(tuple(shape))
         for device in list(mesh.devices.flat)[:2]:

@@ -144,16 +144,21 @@ def run():
     return run_script_result(_SCRIPT, timeout=600)
 
 
+def _max_abs_diff(rows_a, rows_b) -> float:
+    """The largest |a - b| between two lists of rows of the same shape."""
+    return max(
+        abs(a - b)
+        for row_a, row_b in zip(rows_a, rows_b, strict=True)
+        for a, b in zip(row_a, row_b, strict=True)
+    )
+
+
 def _assert_same_episode(got, want):
     for turn_got, turn_want in zip(got, want, strict=True):
         for key in ("tokens", "lengths", "stopped", "num_steps"):
             assert turn_got[key] == turn_want[key], key
         for key in ("logprobs", "entropies"):
-            diff = max(
-                abs(a - b)
-                for row_a, row_b in zip(turn_got[key], turn_want[key], strict=True)
-                for a, b in zip(row_a, row_b, strict=True)
-            )
+            diff = _max_abs_diff(turn_got[key], turn_want[key])
             assert diff < 1e-4, (key, diff)
 
 
@@ -189,11 +194,7 @@ def test_indivisible_batch_is_not_split(run):
 def test_forks_stay_split_and_continue_like_one_program(run):
     forks = run["forks"]
     assert forks["data_mesh"] and not forks["ref_mesh"]
-    diff = max(
-        abs(a - b)
-        for row_a, row_b in zip(forks["data"], forks["ref"], strict=True)
-        for a, b in zip(row_a, row_b, strict=True)
-    )
+    diff = _max_abs_diff(forks["data"], forks["ref"])
     assert diff < 1e-4
 
 
@@ -202,11 +203,7 @@ def test_prefix_reuse_stays_split_and_samples_like_one_program(run):
     # Only each reply runs: the 24-token head and nothing else is shared with the first turn.
     assert prefix["prefilled"] == [4, 1, 6, 2, 9, 3, 5, 7]
     assert prefix["mesh"]
-    diff = max(
-        abs(a - b)
-        for row_a, row_b in zip(prefix["logprobs"], prefix["ref"], strict=True)
-        for a, b in zip(row_a, row_b, strict=True)
-    )
+    diff = _max_abs_diff(prefix["logprobs"], prefix["ref"])
     assert diff < 1e-4
 
 

@@ -67,3 +67,36 @@ def run_script_result(script: str, *, timeout: float):
     lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
     assert len(lines) == 1, proc.stdout[-4000:]
     return json.loads(lines[0][len("RESULT ") :])
+
+
+def word_tokenizer(words: Sequence[str], path: Path, vocab_size: int, *, words_per_line: int):
+    """A SentencePiece tokenizer, the agent's special symbols included, trained at `path` on 300
+    lines of `words` drawn at random (seed 0), each line ending in its number."""
+    import numpy as np
+
+    from bpo_jax.agent import SPECIAL_SYMBOLS
+    from bpo_jax.tokenizer import train_sentencepiece
+
+    rng = np.random.default_rng(0)
+    texts = [" ".join(rng.choice(words, size=words_per_line)) + f" {i}" for i in range(300)]
+    return train_sentencepiece(texts, path, vocab_size, user_defined_symbols=SPECIAL_SYMBOLS)
+
+
+def random_tiny_policy(tok, *, embed_scale: float | None = None, **policy_options):
+    """The tiny decoder with random weights (seed 0, `max_seq_len` 256) over `tok`, as a
+    `Policy` with `policy_options`; `embed_scale` multiplies the embeddings (larger ones make
+    the random policy's entropies vary from context to context)."""
+    import jax
+    from flax import nnx
+
+    from bpo_jax.models import config as model_config
+    from bpo_jax.models.llama import Transformer
+    from bpo_jax.sampler.policy import Policy
+
+    cfg = model_config.tiny(vocab_size=tok.vocab_size, max_seq_len=256)
+    graphdef, params = nnx.split(Transformer(cfg, rngs=nnx.Rngs(0)))
+    if embed_scale is not None:
+        params = jax.tree.map_with_path(
+            lambda p, x: x * (embed_scale if "embed" in jax.tree_util.keystr(p) else 1.0), params
+        )
+    return Policy(graphdef, params, tok, cfg, **policy_options)

@@ -14,17 +14,13 @@ from collections import Counter
 import jax
 import numpy as np
 import pytest
-from flax import nnx
+from helpers import random_tiny_policy, word_tokenizer
 
-from bpo_jax.agent import SPECIAL_SYMBOLS
 from bpo_jax.config import validate
 from bpo_jax.estimators import tree_advantages
-from bpo_jax.models import config as model_config
-from bpo_jax.models.llama import Transformer
 from bpo_jax.rollout.branching import CostModel, EntropySelector, LengthModel, make_selector
 from bpo_jax.rollout.engine import TreeSpec, play, play_forest, prompt_encoder
 from bpo_jax.sampler.policy import Policy
-from bpo_jax.tokenizer import train_sentencepiece
 from envs.base import make_env, step_result
 from envs.sandbox import SandboxPool
 from envs.sandbox.testing import CounterTask
@@ -36,18 +32,10 @@ TASKS = [CounterTask(task_id=f"count-{i}", start=0, target=50 + i) for i in rang
 @pytest.fixture(scope="module")
 def policy(tmp_path_factory):
     words = ["inc", "dec", "double", "add 1", "add 2", "add 3", "count=", "steps=", "trace="]
-    rng = np.random.default_rng(0)
-    texts = [" ".join(rng.choice(words, size=12)) + f" {i}" for i in range(300)]
-    tok = train_sentencepiece(
-        texts, tmp_path_factory.mktemp("tok") / "sp", 320, user_defined_symbols=SPECIAL_SYMBOLS
+    tok = word_tokenizer(words, tmp_path_factory.mktemp("tok") / "sp", 320, words_per_line=12)
+    return random_tiny_policy(
+        tok, embed_scale=4.0, max_new_tokens=6, cache_len=192, temperature=1.0
     )
-    cfg = model_config.tiny(vocab_size=tok.vocab_size, max_seq_len=256)
-    graphdef, params = nnx.split(Transformer(cfg, rngs=nnx.Rngs(0)))
-    # Larger embeddings make the random policy's entropies vary from context to context.
-    params = jax.tree.map_with_path(
-        lambda p, x: x * (4.0 if "embed" in jax.tree_util.keystr(p) else 1.0), params
-    )
-    return Policy(graphdef, params, tok, cfg, max_new_tokens=6, cache_len=192, temperature=1.0)
 
 
 @pytest.fixture(scope="module")

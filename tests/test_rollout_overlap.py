@@ -16,6 +16,7 @@ import time
 import jax
 import numpy as np
 import pytest
+from helpers import random_tiny_policy, word_tokenizer
 
 from bpo_jax.estimators import step_advantages
 from bpo_jax.rollout.branching import CostModel, LengthModel, make_selector
@@ -227,23 +228,9 @@ def test_cohorts_grow_the_same_forests_as_lockstep(rule, spec):
 
 def _tiny_policy(tmp_path, prefix_reuse):
     """The tiny decoder, random weights, over a tokenizer trained on counter-game text."""
-    from flax import nnx
-
-    from bpo_jax.agent import SPECIAL_SYMBOLS
-    from bpo_jax.models import config as model_config
-    from bpo_jax.models.llama import Transformer
-    from bpo_jax.sampler.policy import Policy
-    from bpo_jax.tokenizer import train_sentencepiece
-
     words = ["inc", "dec", "double", "add 1", "add 2", "count=", "steps=", "trace="]
-    rng = np.random.default_rng(0)
-    texts = [" ".join(rng.choice(words, size=12)) + f" {i}" for i in range(300)]
-    tok = train_sentencepiece(texts, tmp_path / "sp", 320, user_defined_symbols=SPECIAL_SYMBOLS)
-    cfg = model_config.tiny(vocab_size=tok.vocab_size, max_seq_len=256)
-    graphdef, params = nnx.split(Transformer(cfg, rngs=nnx.Rngs(0)))
-    return Policy(
-        graphdef, params, tok, cfg, max_new_tokens=6, cache_len=192, prefix_reuse=prefix_reuse
-    )
+    tok = word_tokenizer(words, tmp_path / "sp", 320, words_per_line=12)
+    return random_tiny_policy(tok, max_new_tokens=6, cache_len=192, prefix_reuse=prefix_reuse)
 
 
 def test_each_cohort_continues_its_own_prefixes(tmp_path):

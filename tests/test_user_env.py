@@ -19,6 +19,7 @@ import gymnasium
 import numpy as np
 import pytest
 from gymnasium.utils.env_checker import check_env
+from helpers import random_tiny_policy, word_tokenizer
 
 from envs import base
 from envs.sandbox import SandboxPool
@@ -206,27 +207,11 @@ def test_a_plain_gymnasium_env_runs_in_the_pool_too():
 @pytest.fixture(scope="module")
 def policy(tmp_path_factory):
     """The tiny decoder with random weights and a tokenizer trained on the cave's words."""
-    import jax
-    from flax import nnx
-
-    from bpo_jax.agent import SPECIAL_SYMBOLS
-    from bpo_jax.models import config as model_config
-    from bpo_jax.models.llama import Transformer
-    from bpo_jax.sampler.policy import Policy
-    from bpo_jax.tokenizer import train_sentencepiece
-
     words = ["left", "right", "You", "are", "at", "the", "entrance", "then", "Forks", "Paths:"]
-    rng = np.random.default_rng(0)
-    texts = [" ".join(rng.choice(words, size=10)) + f" {i}" for i in range(300)]
-    tok = train_sentencepiece(
-        texts, tmp_path_factory.mktemp("tok") / "sp", 300, user_defined_symbols=SPECIAL_SYMBOLS
+    tok = word_tokenizer(words, tmp_path_factory.mktemp("tok") / "sp", 300, words_per_line=10)
+    return random_tiny_policy(
+        tok, embed_scale=4.0, max_new_tokens=4, cache_len=192, temperature=1.0
     )
-    cfg = model_config.tiny(vocab_size=tok.vocab_size, max_seq_len=256)
-    graphdef, params = nnx.split(Transformer(cfg, rngs=nnx.Rngs(0)))
-    params = jax.tree.map_with_path(
-        lambda p, x: x * (4.0 if "embed" in jax.tree_util.keystr(p) else 1.0), params
-    )
-    return Policy(graphdef, params, tok, cfg, max_new_tokens=4, cache_len=192, temperature=1.0)
 
 
 def test_bpo_forest_on_the_fork_backend(policy):

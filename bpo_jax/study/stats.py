@@ -3,11 +3,24 @@ and the trace of a gradient covariance with a bootstrap CI of a ratio of two of 
 and the variance map; `trace_ratio_ci` works on Gram matrices, so gradients of any size do).
 
 Every resampling function takes a `numpy.random.Generator`, so that a table is reproduced
-exactly from its seed. The IQM and its stratified bootstrap follow rliable (Agarwal et al.,
-"Deep RL at the Edge of the Statistical Precipice", 2021): the IQM is the mean of the middle
-50% of the pooled scores (scipy's `trim_mean(x, 0.25)`), and a bootstrap sample resamples the
-scores within each stratum (there: the runs of each task; here: the episodes of each seed and
+exactly from its seed. The IQM, its stratified bootstrap and the probability of improvement are
+rliable's (Agarwal et al., "Deep RL at the Edge of the Statistical Precipice", 2021): the IQM is
+the mean of the middle 50% of the pooled scores, and a bootstrap sample resamples the scores
+within each stratum (there: the runs of each task; here: the episodes of each seed and
 evaluation split), so that every stratum keeps its size.
+
+scipy.stats computes them, not rliable itself. rliable's metrics are these same scipy calls
+(`aggregate_iqm` is `trim_mean(x, 0.25)`, `probability_of_improvement` a Mann-Whitney U over
+`n * m`), and its interval estimates cannot make a reproducible table: `get_interval_estimates`
+takes no Generator and draws its resamples from numpy's global state (`np.random.choice`),
+whatever `random_state` it is given. Besides, with what pip resolves for rliable 1.2.0 today
+(arch 7.2.0, pandas 3.1.1), `import rliable.library` fails (`TypeError: deprecate_kwarg()
+missing 1 required positional argument: 'new_arg_name'`), and rliable brings arch, statsmodels,
+pandas and seaborn (166 MiB installed). `scipy.stats.bootstrap` resamples each sample on its
+own, which is the stratified bootstrap, from the Generator it is given.
+
+The covariance-trace bootstrap stays here: it resamples from a Gram matrix, not from the
+samples, which no library's bootstrap does.
 """
 
 from __future__ import annotations
@@ -15,23 +28,22 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 import numpy as np
+import scipy.stats
 
 NUM_RESAMPLES = 10_000
 
 
 def iqm(scores) -> float:
     """The interquartile mean: the mean after cutting `floor(n / 4)` scores from each end."""
-    x = np.sort(np.asarray(scores, np.float64).ravel())
+    x = np.asarray(scores, np.float64).ravel()
     if x.size == 0:
         raise ValueError("the IQM of no scores is undefined.")
-    cut = int(0.25 * x.size)
-    return float(x[cut : x.size - cut].mean())
+    return float(scipy.stats.trim_mean(x, 0.25))
 
 
 def _iqm_rows(x: np.ndarray) -> np.ndarray:
     """The IQM of each row of `x` [B, n]."""
-    cut = int(0.25 * x.shape[1])
-    return np.sort(x, axis=1)[:, cut : x.shape[1] - cut].mean(axis=1)
+    return scipy.stats.trim_mean(x, 0.25, axis=1)
 
 
 def percentile_ci(samples: np.ndarray, level: float = 0.95) -> tuple[float, float]:
@@ -49,15 +61,8 @@ def wilson_ci(wins: int, n: int, level: float = 0.95) -> tuple[float, float]:
     """
     if n <= 0 or not 0 <= wins <= n:
         raise ValueError(f"a success CI needs 0 <= wins <= n and n > 0, got {wins} of {n}.")
-    from statistics import NormalDist
-
-    z = NormalDist().inv_cdf(0.5 + level / 2)
-    p = wins / n
-    centre = (p + z * z / (2 * n)) / (1 + z * z / n)
-    half = z / (1 + z * z / n) * np.sqrt(p * (1 - p) / n + z * z / (4 * n * n))
-    lo = 0.0 if wins == 0 else max(0.0, centre - half)
-    hi = 1.0 if wins == n else min(1.0, centre + half)
-    return float(lo), float(hi)
+    ci = scipy.stats.binomtest(wins, n).proportion_ci(level, method="wilson")
+    return float(ci.low), float(ci.high)
 
 
 def bootstrap_mean_ci(
@@ -70,8 +75,11 @@ def bootstrap_mean_ci(
     x = np.asarray(values, np.float64).ravel()
     if x.size == 0:
         raise ValueError("a bootstrap CI needs at least one value.")
-    idx = rng.integers(0, x.size, size=(num_resamples, x.size))
-    return percentile_ci(x[idx].mean(axis=1), level)
+    return stratified_bootstrap_ci([x], rng, _rows_mean, num_resamples, level)
+
+
+def _rows_mean(x: np.ndarray) -> np.ndarray:
+    return x.mean(axis=1)
 
 
 def stratified_bootstrap_ci(
@@ -94,35 +102,45 @@ def stratified_bootstrap_ci(
     parts = [p for p in parts if p.size]
     if not parts:
         raise ValueError("a stratified bootstrap needs at least one non-empty stratum.")
-    pooled = np.concatenate(
-        [p[rng.integers(0, p.size, size=(num_resamples, p.size))] for p in parts], axis=1
+    # scipy refuses a sample of one; it resamples to itself, so it joins every resample as it
+    # is (drawing it would not advance `rng` either: integers(0, 1) draws nothing).
+    drawn = [i for i, p in enumerate(parts) if p.size > 1]
+    if not drawn:
+        value = float(statistic(np.concatenate(parts)[None])[0])
+        return value, value
+
+    def pooled(*samples, axis):
+        del axis  # Always the last: each resample is [B, n_i].
+        rows = dict(zip(drawn, samples, strict=True))
+        b = samples[0].shape[0]
+        fixed = lambda p: np.broadcast_to(p, (b, 1))
+        return statistic(
+            np.concatenate([rows[i] if i in rows else fixed(p) for i, p in enumerate(parts)], 1)
+        )
+
+    res = scipy.stats.bootstrap(
+        [parts[i] for i in drawn],
+        pooled,
+        n_resamples=num_resamples,
+        vectorized=True,
+        axis=-1,
+        confidence_level=level,
+        method="percentile",
+        rng=rng,
     )
-    return percentile_ci(statistic(pooled), level)
+    return float(res.confidence_interval.low), float(res.confidence_interval.high)
 
 
 def probability_of_improvement(diffs) -> float:
-    """P(X > Y) over paired differences `X - Y`: the share of pairs with X ahead, ties 1/2."""
+    """P(X > Y) over paired differences `X - Y`: the share of pairs with X ahead, ties 1/2.
+
+    rliable's P(X > Y) is the Mann-Whitney U of the runs of X against those of Y over the
+    number of pairs; over paired runs it is the U of the differences against a single 0.
+    """
     d = np.asarray(diffs, np.float64).ravel()
     if d.size == 0:
         raise ValueError("no pairs to compare.")
-    return float(np.mean((d > 0) + 0.5 * (d == 0)))
-
-
-def ratio_of_means_ci(
-    num,
-    den,
-    rng: np.random.Generator,
-    num_resamples: int = NUM_RESAMPLES,
-    level: float = 0.95,
-) -> tuple[float, float]:
-    """Percentile CI of `mean(num) / mean(den)`, resampling the pairs (num_i, den_i) together."""
-    a, b = np.asarray(num, np.float64).ravel(), np.asarray(den, np.float64).ravel()
-    if a.size != b.size or a.size == 0:
-        raise ValueError(f"paired ratio needs equal non-empty lengths, got {a.size}, {b.size}.")
-    idx = rng.integers(0, a.size, size=(num_resamples, a.size))
-    with np.errstate(divide="ignore", invalid="ignore"):
-        ratios = a[idx].mean(axis=1) / b[idx].mean(axis=1)
-    return percentile_ci(ratios[np.isfinite(ratios)], level)
+    return float(scipy.stats.mannwhitneyu(d, [0.0], alternative="greater").statistic / d.size)
 
 
 def gram(rows) -> np.ndarray:

@@ -100,3 +100,20 @@ def random_tiny_policy(tok, *, embed_scale: float | None = None, **policy_option
             lambda p, x: x * (embed_scale if "embed" in jax.tree_util.keystr(p) else 1.0), params
         )
     return Policy(graphdef, params, tok, cfg, **policy_options)
+
+
+def play_tabular(pool, policy, tasks, spec, *, seed: int, horizon: int, encode=None, **options):
+    """`play_forest` of a tabular policy over a pool of tabular envs: episodes of at most
+    `horizon` steps, the budget in env steps, the prompt the state id (`encode_state` unless
+    `encode` is given), `rng` from `seed`; `options` are play_forest's others."""
+    import jax
+
+    from bpo_jax.rollout.branching import CostModel, LengthModel
+    from bpo_jax.rollout.engine import play_forest
+    from envs.tabular.policy import encode_state
+
+    rng, lengths, costs = jax.random.key(seed), LengthModel(horizon), CostModel("env_steps")
+    encode = encode_state if encode is None else encode
+    return play_forest(
+        pool, policy, encode, tasks, spec, rng=rng, lengths=lengths, costs=costs, **options
+    )

@@ -16,10 +16,11 @@ import re
 import jax
 import numpy as np
 import pytest
+from helpers import play_tabular
 
 from bpo_jax.estimators import step_advantages
-from bpo_jax.rollout.branching import CostModel, LengthModel, make_selector
-from bpo_jax.rollout.engine import TreeSpec, play_forest
+from bpo_jax.rollout.branching import make_selector
+from bpo_jax.rollout.engine import TreeSpec
 from bpo_jax.sampler.policy import ActionSample
 from envs.sandbox import SandboxPool
 from envs.tabular import load_tasks, make_mdp, objective_grad, policy_probs, random_logits
@@ -70,17 +71,10 @@ def sampled_gradients(instance, selector, spec, num_tasks, seed):
     policy = TabularPolicy(logits)
     tasks = load_tasks(None, "train", instance=instance, copies=num_tasks)
     with SandboxPool("tabular", {"instance": instance}, backend="inprocess") as pool:
-        forest = play_forest(
-            pool,
-            policy,
-            encode,
-            tasks,
-            spec,
-            rng=jax.random.key(seed),
+        forest = play_tabular(
+            pool, policy, tasks, spec, seed=seed, horizon=mdp.horizon, encode=encode,
             selector=selector,
-            lengths=LengthModel(mdp.horizon),
-            costs=CostModel("env_steps"),
-        )
+        )  # fmt: skip
     adv = np.asarray(step_advantages(forest.to_forest(), "bpo"))
     weights = forest.step_weights("path_mass")
     grads = np.zeros((num_tasks, *logits.shape))

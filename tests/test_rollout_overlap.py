@@ -16,7 +16,7 @@ import time
 import jax
 import numpy as np
 import pytest
-from helpers import random_tiny_policy, word_tokenizer
+from helpers import play_tabular, random_tiny_policy, word_tokenizer
 
 from bpo_jax.estimators import step_advantages
 from bpo_jax.rollout.branching import CostModel, LengthModel, make_selector
@@ -155,19 +155,10 @@ def _play(instance, spec, selector, cohorts, num_tasks, seed=0, greedy=False, ba
     tasks = load_tasks(None, "train", instance=instance, seed=mdp_seed, copies=num_tasks)
     options = {"instance": instance, "seed": mdp_seed}
     with SandboxPool("tabular", options, backend=backend) as pool:
-        forest = play_forest(
-            pool,
-            policy,
-            encode_state,
-            tasks,
-            spec,
-            rng=jax.random.key(seed),
-            selector=selector,
-            greedy=greedy,
-            lengths=LengthModel(mdp.horizon),
-            costs=CostModel("env_steps"),
-            cohorts=cohorts,
-        )
+        forest = play_tabular(
+            pool, policy, tasks, spec, seed=seed, horizon=mdp.horizon,
+            selector=selector, greedy=greedy, cohorts=cohorts,
+        )  # fmt: skip
         assert pool.live() == []
     return forest, policy, mdp
 

@@ -14,17 +14,17 @@ are many standard errors wide.
 
 from __future__ import annotations
 
-import jax
 import numpy as np
 import pytest
+from helpers import play_tabular
 
 from bpo_jax.estimators import step_advantages
-from bpo_jax.rollout.branching import CostModel, LengthModel, make_selector
-from bpo_jax.rollout.engine import TreeSpec, play_forest
+from bpo_jax.rollout.branching import make_selector
+from bpo_jax.rollout.engine import TreeSpec
 from envs import base as env_base
 from envs.sandbox import SandboxPool
 from envs.tabular import exact, load_tasks, make_mdp, random_logits
-from envs.tabular.policy import TabularPolicy, encode_state, forest_task_gradients
+from envs.tabular.policy import TabularPolicy, forest_task_gradients
 
 MAX_Z = 4.0
 SEED = 3  # Episodes of 1, 2 and 4 steps, stops at depths 1 and 2.
@@ -112,16 +112,9 @@ def engine_gradients(spec: TreeSpec, method: str, num_tasks: int, seed: int):
     with SandboxPool(
         "tabular", {"instance": "variable_length", "seed": SEED}, backend="inprocess"
     ) as pool:
-        forest = play_forest(
-            pool,
-            policy,
-            encode_state,
-            tasks,
-            spec,
-            rng=jax.random.key(seed),
-            selector=make_selector("interval", interval=1),
-            lengths=LengthModel(MDP.horizon),
-            costs=CostModel("env_steps"),
+        selector = make_selector("interval", interval=1)
+        forest = play_tabular(
+            pool, policy, tasks, spec, seed=seed, horizon=MDP.horizon, selector=selector
         )
     arrays = forest.arrays()
     adv = arrays.unpad_steps(np.asarray(step_advantages(arrays.forest, method)))

@@ -117,3 +117,16 @@ def play_tabular(pool, policy, tasks, spec, *, seed: int, horizon: int, encode=N
     return play_forest(
         pool, policy, encode, tasks, spec, rng=rng, lengths=lengths, costs=costs, **options
     )
+
+
+def z_max(samples, target) -> float:
+    """The largest |mean - target| in standard errors of the mean over `samples` [N, D]; where
+    the samples do not vary, their mean must equal the target (within 1e-9)."""
+    import numpy as np
+
+    mean = samples.mean(axis=0)
+    se = samples.std(axis=0, ddof=1) / np.sqrt(len(samples))
+    target = np.ravel(target)
+    constant = se == 0
+    np.testing.assert_allclose(mean[constant], target[constant], atol=1e-9)
+    return float(np.max(np.abs(mean[~constant] - target[~constant]) / se[~constant]))

@@ -16,7 +16,7 @@ import time
 import jax
 import numpy as np
 import pytest
-from helpers import play_tabular, random_tiny_policy, word_tokenizer
+from helpers import play_tabular, random_tiny_policy, word_tokenizer, z_max
 
 from bpo_jax.estimators import step_advantages
 from bpo_jax.rollout.branching import CostModel, LengthModel, make_selector
@@ -339,15 +339,6 @@ def test_an_exception_with_steps_in_flight_leaves_no_sandbox_open(fail_at):
     assert leftover_processes(before) == []
 
 
-def _z_max(samples, target) -> float:
-    mean = samples.mean(axis=0)
-    se = samples.std(axis=0, ddof=1) / np.sqrt(len(samples))
-    target = np.ravel(target)
-    constant = se == 0
-    np.testing.assert_allclose(mean[constant], target[constant], atol=1e-9)
-    return float(np.max(np.abs(mean[~constant] - target[~constant]) / se[~constant]))
-
-
 @pytest.mark.parametrize(
     "instance,selector,spec",
     [
@@ -381,6 +372,6 @@ def test_cohort_forests_give_the_exact_policy_gradient(instance, selector, spec)
     adv = arrays.unpad_steps(np.asarray(step_advantages(arrays.forest, "bpo")))
     grads = forest_task_gradients(forest, policy, forest.step_weights("path_mass") * adv)
     dj = exact.objective_grad(mdp, policy.logits)
-    assert _z_max(grads, dj) < 4.0
+    assert z_max(grads, dj) < 4.0
     se = grads.std(axis=0, ddof=1) / np.sqrt(num_tasks)
     assert np.abs(dj).max() > 10 * se.max()  # The test resolves the gradient.

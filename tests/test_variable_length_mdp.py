@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from helpers import play_tabular
+from helpers import play_tabular, z_max
 
 from bpo_jax.estimators import step_advantages
 from bpo_jax.rollout.branching import make_selector
@@ -123,15 +123,6 @@ def engine_gradients(spec: TreeSpec, method: str, num_tasks: int, seed: int):
         for w in ("trajectory", "path_mass")
     }
     return grads, forest
-
-
-def z_max(samples, target) -> float:
-    mean = samples.mean(axis=0)
-    se = samples.std(axis=0, ddof=1) / np.sqrt(len(samples))
-    target = np.ravel(target)
-    constant = se == 0
-    np.testing.assert_allclose(mean[constant], target[constant], atol=1e-9)
-    return float(np.max(np.abs(mean[~constant] - target[~constant]) / se[~constant]))
 
 
 @pytest.mark.slow

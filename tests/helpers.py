@@ -130,3 +130,20 @@ def z_max(samples, target) -> float:
     constant = se == 0
     np.testing.assert_allclose(mean[constant], target[constant], atol=1e-9)
     return float(np.max(np.abs(mean[~constant] - target[~constant]) / se[~constant]))
+
+
+# The learner tests' decoder: two layers, 32 wide (compiles in seconds on a CPU).
+_MICRO = dict(hidden_size=32, intermediate_size=64, num_layers=2, num_heads=2, num_kv_heads=1)
+
+
+def micro_model(vocab_size: int, **overrides):
+    """(cfg, graphdef, params): the `tiny` preset cut to `_MICRO` (max_seq_len 64), with the
+    given overrides, and random weights (seed 0)."""
+    from flax import nnx
+
+    from bpo_jax.models.config import tiny
+    from bpo_jax.models.llama import Transformer
+
+    cfg = tiny(vocab_size=vocab_size, **_MICRO, max_seq_len=64, **overrides)
+    graphdef, params = nnx.split(Transformer(cfg, rngs=nnx.Rngs(0)))
+    return cfg, graphdef, params

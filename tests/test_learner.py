@@ -5,24 +5,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from helpers import micro_model
 
 from bpo_jax import learner
-from bpo_jax.models.config import tiny
-from bpo_jax.models.llama import Transformer
 
 
 def _setup(vocab=64):
-    cfg = tiny(
-        vocab_size=vocab,
-        hidden_size=32,
-        intermediate_size=64,
-        num_layers=2,
-        num_heads=2,
-        num_kv_heads=1,
-        max_seq_len=64,
-    )
-    graphdef, params = nnx.split(Transformer(cfg, rngs=nnx.Rngs(0)))
-    return cfg, graphdef, params
+    return micro_model(vocab)
 
 
 def test_pad_batch_masks_actions_only():

@@ -12,25 +12,15 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
+from helpers import micro_model
 
 from bpo_jax import learner
 from bpo_jax.models import sharding
-from bpo_jax.models.config import tiny
-from bpo_jax.models.llama import REMAT_POLICIES, Transformer
+from bpo_jax.models.llama import REMAT_POLICIES
 
 
 def _setup(vocab=96, tie=True):
-    cfg = tiny(
-        vocab_size=vocab,
-        hidden_size=32,
-        intermediate_size=64,
-        num_layers=2,
-        num_heads=2,
-        num_kv_heads=1,
-        max_seq_len=64,
-        tie_embeddings=tie,
-    )
-    graphdef, params = nnx.split(Transformer(cfg, rngs=nnx.Rngs(0)))
+    _, graphdef, params = micro_model(vocab, tie_embeddings=tie)
     return graphdef, params
 
 

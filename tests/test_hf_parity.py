@@ -46,18 +46,15 @@ _LLAMA3_ROPE = dict(
 CASES = {
     "qwen2_untied": ("qwen2", dict(_QWEN2, tie_word_embeddings=False)),
     "qwen2_tied": ("qwen2", dict(_QWEN2, tie_word_embeddings=True)),
+    # The Qwen2 sizes but a width of 48, with head_dim 16 (!= hidden_size / heads, so
+    # head_dim must be read from the config).
     "llama_gqa_rope_scaling": (
         "llama",
         dict(
-            vocab_size=128,
+            _QWEN2,
             hidden_size=48,
-            intermediate_size=96,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            head_dim=16,  # != hidden_size / heads, so head_dim must be read from the config
+            head_dim=16,
             rms_norm_eps=1e-5,
-            max_position_embeddings=64,
             rope_parameters=_LLAMA3_ROPE,
             tie_word_embeddings=False,
         ),

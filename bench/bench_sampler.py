@@ -257,18 +257,9 @@ def main():
     attention_mask = torch.ones_like(input_ids)
 
     def hf_generate(num_new):
-        with torch.inference_mode():
-            out = hf.generate(
-                input_ids,
-                attention_mask=attention_mask,
-                do_sample=True,
-                temperature=args.temperature,
-                top_k=0,
-                top_p=1.0,
-                max_new_tokens=num_new,
-                min_new_tokens=num_new,
-                pad_token_id=0,
-            )
+        out = bench_sampler_turns.hf_sample(
+            hf, input_ids, attention_mask, num_new, args.temperature
+        )
         if out.shape != (b, p + num_new):
             raise SystemExit(f"HF generated shape {tuple(out.shape)}, not {(b, p + num_new)}.")
 

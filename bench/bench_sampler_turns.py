@@ -57,6 +57,23 @@ def turn_prompts(args, vocab: int, turn: int) -> list[np.ndarray]:
     return [np.concatenate([heads[b // args.group], suffix[b]]) for b in range(args.batch)]
 
 
+def hf_sample(hf, ids, attention_mask, num_new: int, temperature: float):
+    """HF's `generate` as our sampler samples: exactly `num_new` tokens a row at `temperature`,
+    no top-k or top-p cut."""
+    with torch.inference_mode():
+        return hf.generate(
+            ids,
+            attention_mask=attention_mask,
+            do_sample=True,
+            temperature=temperature,
+            top_k=0,
+            top_p=1.0,
+            max_new_tokens=num_new,
+            min_new_tokens=num_new,
+            pad_token_id=0,
+        )
+
+
 def layer_matmul_params(cfg) -> int:
     """Parameters of one token's matmuls in the decoder layers (the LM head not included)."""
     d, h, k, e, f = (
@@ -129,18 +146,7 @@ def run(args, cfg, graphdef, params, hf, mesh, replicated, matmul_peak, settle):
             ids = torch.from_numpy(np.stack(prompts[t]))
             settle(0.05)
             start = time.perf_counter()
-            with torch.inference_mode():
-                out = hf.generate(
-                    ids,
-                    attention_mask=torch.ones_like(ids),
-                    do_sample=True,
-                    temperature=args.temperature,
-                    top_k=0,
-                    top_p=1.0,
-                    max_new_tokens=n,
-                    min_new_tokens=n,
-                    pad_token_id=0,
-                )
+            out = hf_sample(hf, ids, torch.ones_like(ids), n, args.temperature)
             total += time.perf_counter() - start
             if out.shape != (b, args.prompt_len + n):
                 raise SystemExit(f"HF generated shape {tuple(out.shape)}.")

@@ -147,3 +147,27 @@ def micro_model(vocab_size: int, **overrides):
     cfg = tiny(vocab_size=vocab_size, **_MICRO, max_seq_len=64, **overrides)
     graphdef, params = nnx.split(Transformer(cfg, rngs=nnx.Rngs(0)))
     return cfg, graphdef, params
+
+
+# An experiment's cpu variant shrunk to a run of seconds: two iterations of one training task
+# with two rollouts, two training and two evaluation tasks, four BC steps, a checkpoint a step.
+SMALL_RUN = {
+    "env.num_train_tasks": 2,
+    "eval.num_tasks": 2,
+    "bc.steps": 4,
+    "bc.batch_size": 8,
+    "train.iterations": 2,
+    "train.tasks_per_iter": 1,
+    "train.group_size": 2,
+    "train.minibatch_size": 8,
+    "model.max_seq_len": 256,
+    "checkpoint.every": 1,
+}
+
+
+def set_fields(cfg, fields):
+    """Sets `fields` ({"section.name": value}) on the ConfigDict `cfg`; returns `cfg`."""
+    for key, value in fields.items():
+        section, name = key.split(".")
+        cfg[section][name] = value
+    return cfg

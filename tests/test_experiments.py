@@ -6,6 +6,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from absl import flags
+from helpers import SMALL_RUN, set_fields
 from ml_collections import config_flags
 
 from bpo_jax.config import ALGOS, validate
@@ -96,22 +97,8 @@ def test_invalid_values_name_the_field(field, value, match):
 
 def tiny_cpu_config(**overrides):
     cfg = load_experiment(ROOT / "experiments" / "alfworld.py").get_config("cpu")
-    cfg.env.num_train_tasks = 2
-    cfg.env.max_steps = 4
-    cfg.eval.num_tasks = 2
-    cfg.bc.steps = 4
-    cfg.bc.batch_size = 8
-    cfg.train.iterations = 2
-    cfg.train.tasks_per_iter = 1
-    cfg.train.group_size = 2
-    cfg.train.minibatch_size = 8
-    cfg.agent.max_prompt_tokens = 192
-    cfg.model.max_seq_len = 256
-    cfg.checkpoint.every = 1
-    for k, v in overrides.items():
-        section, name = k.split(".")
-        cfg[section][name] = v
-    return cfg
+    fields = {**SMALL_RUN, "env.max_steps": 4, "agent.max_prompt_tokens": 192}
+    return set_fields(cfg, {**fields, **overrides})
 
 
 def test_cpu_variant_runs_two_iterations(tmp_path):

@@ -16,6 +16,7 @@ import shutil
 from pathlib import Path
 
 import pytest
+from helpers import SMALL_RUN, set_fields
 
 from bpo_jax.config import validate
 from bpo_jax.experiment import load_experiment
@@ -581,18 +582,7 @@ def test_cpu_variant_trains_two_iterations(tmp_path):
     cfg = _experiment().get_config("cpu")
     cfg.env.data_root = str(DATA)
     cfg.env.task_options.cache_dir = str(tmp_path / "cache")
-    cfg.env.num_train_tasks = 2
-    cfg.env.max_steps = 6
-    cfg.eval.num_tasks = 2
-    cfg.bc.steps = 4
-    cfg.bc.batch_size = 8
-    cfg.train.iterations = 2
-    cfg.train.tasks_per_iter = 1
-    cfg.train.group_size = 2
-    cfg.train.minibatch_size = 8
-    cfg.agent.max_prompt_tokens = 224
-    cfg.model.max_seq_len = 256
-    cfg.checkpoint.every = 1
+    set_fields(cfg, {**SMALL_RUN, "env.max_steps": 6, "agent.max_prompt_tokens": 224})
     summary = train_and_evaluate(cfg, tmp_path / "run")
     assert summary["iterations"] == 2
     for key in ("success_initial", "success_before_rl", "success_after_rl"):

@@ -19,6 +19,7 @@ by hand the way the dataset writes them (upstream's log parsers made them).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 from typing import Any
@@ -323,6 +324,32 @@ def write_tree(name: str, top: Path) -> Path:
         if rel.endswith("runtests.py"):
             path.chmod(0o755)
     return top
+
+
+def record_task(tmp_path: Path, name: str):
+    """The record `name` loaded from a JSONL file, its task pointed at a tree written for it."""
+    from envs.swe.data import load_swebench
+
+    path = tmp_path / f"{name}.jsonl"
+    path.write_text(json.dumps(records()[name]) + "\n")
+    (task,) = load_swebench(path)
+    return dataclasses.replace(task, tree=str(write_tree(name, tmp_path / name)))
+
+
+def patched_files(task, patch: str) -> dict[str, str]:
+    """{path: new text} of `patch` applied to the task's tree."""
+    from envs.swe.patching import apply_patch
+    from envs.swe.workspace import PathError, Workspace
+
+    ws = Workspace(task.tree)
+
+    def read(rel):
+        try:
+            return ws.read_text(rel)
+        except PathError:
+            return None
+
+    return apply_patch(read, patch)
 
 
 # sympy's `bin/test -C --verbose` output (written for the tests, in sympy's format): the last

@@ -16,7 +16,6 @@ about two minutes, so the module is marked slow.
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import shutil
 import subprocess
@@ -27,14 +26,13 @@ from pathlib import Path
 import pytest
 from swe_docker_fixtures import containers, present, remove_images, require_docker
 from swe_fixtures import GOLD_ACTION, leap_task, put, write_minicalc
-from swebench_fixtures import records, write_tree
+from swebench_fixtures import patched_files, record_task
 
 from envs.base import make_env
 from envs.base import step_result as step  # (observation, reward, done, info)
 from envs.sandbox import SandboxPool
 from envs.swe import swebench
 from envs.swe.build import build
-from envs.swe.data import load_swebench
 from envs.swe.data import load_tasks as swe_load_tasks
 from envs.swe.docker import DockerExecutor, DockerUnavailableError
 from envs.swe.grading import grade_in_docker, graded_files
@@ -42,7 +40,7 @@ from envs.swe.images import SANDBOX_UID, ImageBuilder, default_requirements
 from envs.swe.jail import Limits, run_in_jail
 from envs.swe.packages import PackageSpec
 from envs.swe.patching import apply_patch, tree_hash
-from envs.swe.workspace import PathError, Workspace
+from envs.swe.workspace import Workspace
 
 pytestmark = pytest.mark.slow
 _REPO = Path(__file__).resolve().parents[1]
@@ -189,25 +187,10 @@ def _fixture_spec(folder: Path) -> PackageSpec:
                        archive=str(archive))  # fmt: skip
 
 
-def _record_task(tmp_path: Path, name: str):
-    path = tmp_path / f"{name}.jsonl"
-    path.write_text(json.dumps(records()[name]) + "\n")
-    (task,) = load_swebench(path)
-    return dataclasses.replace(task, tree=str(write_tree(name, tmp_path / name)))
-
-
 def _gold_actions(task) -> list[str]:
     if task.walkthrough:
         return [a for a in task.walkthrough if a != "submit"]
-    ws = Workspace(task.tree)
-
-    def read(rel):
-        try:
-            return ws.read_text(rel)
-        except PathError:
-            return None
-
-    return [put(rel, text) for rel, text in sorted(apply_patch(read, task.patch).items())]
+    return [put(rel, text) for rel, text in sorted(patched_files(task, task.patch).items())]
 
 
 def _verdict(env, task, actions):
@@ -246,7 +229,7 @@ def test_fixture_tasks_get_the_same_verdicts_as_in_the_jail(builder, leap, tmp_p
           max_candidates=16, log=lambda m: None)  # fmt: skip
     print(f"built the minicalc tasks in {time.monotonic() - started:.0f} s")
     tasks = [leap, *swe_load_tasks(tmp_path / "built", "all")]
-    tasks += [_record_task(tmp_path, name) for name in ("textvec", "miniwrap")]
+    tasks += [record_task(tmp_path, name) for name in ("textvec", "miniwrap")]
     assert len(tasks) >= 5
     local = builder.for_tasks([dataclasses.replace(t, image="") for t in tasks])
     _BUILT.extend(t.image for t in local)
@@ -265,7 +248,7 @@ def test_fixture_tasks_get_the_same_verdicts_as_in_the_jail(builder, leap, tmp_p
             assert by_docker == by_jail, (task.task_id, label, by_jail, by_docker)
             assert by_jail[0] is (label == "gold"), (task.task_id, label, by_jail)
     # The django-style record: upstream's runner and log, in a container and in a jail.
-    minidj = _record_task(tmp_path, "minidj")
+    minidj = record_task(tmp_path, "minidj")
     (minidj_local,) = builder.for_tasks([dataclasses.replace(minidj, image="")])
     _BUILT.append(minidj_local.image)
     executor = DockerExecutor()
@@ -306,7 +289,7 @@ def _upstream_style(image: str) -> str:
 def test_the_official_images_way_grades_alike(builder, leap, tmp_path):
     # Root, the report plugin and upstream's id matching (pytest_key with the repository), as
     # for SWE-bench's own images; the verdicts are the jail's.
-    textvec = _record_task(tmp_path, "textvec")
+    textvec = record_task(tmp_path, "textvec")
     (local,) = builder.for_tasks([dataclasses.replace(textvec, image="")])
     _BUILT.append(local.image)
     jail, docker = _env("jail"), _env("docker")

@@ -20,8 +20,9 @@ from swebench_fixtures import (
     SYMPY_LOG_GOLD,
     TEXTVEC_FIXED,
     TEXTVEC_TRUNCATED,
+    patched_files,
+    record_task,
     records,
-    write_tree,
 )
 
 from envs.base import make_env
@@ -31,9 +32,8 @@ from envs.swe.data import instance_to_task, load_swebench, task_to_instance
 from envs.swe.env import jail_pythonpath, pytest_options
 from envs.swe.grading import grade_in_docker, graded_files, graded_outcomes, outcomes_from_log
 from envs.swe.jail import JAIL_ROOT, Limits, run_harness, run_in_jail
-from envs.swe.patching import apply_patch
 from envs.swe.results import TestOutcomes
-from envs.swe.workspace import PathError, Workspace
+from envs.swe.workspace import Workspace
 
 _LIMITS = Limits(timeout_s=60.0)
 
@@ -45,31 +45,10 @@ def env():
     env.close()
 
 
-def _load(tmp_path, name):
-    """The record `name` loaded from a JSONL file, its task pointed at a tree written for it."""
-    path = tmp_path / f"{name}.jsonl"
-    path.write_text(json.dumps(records()[name]) + "\n")
-    (task,) = load_swebench(path)
-    return dataclasses.replace(task, tree=str(write_tree(name, tmp_path / name)))
-
-
-def _patched(task, patch):
-    """{path: new text} of `patch` applied to the task's tree."""
-    ws = Workspace(task.tree)
-
-    def read(rel):
-        try:
-            return ws.read_text(rel)
-        except PathError:
-            return None
-
-    return apply_patch(read, patch)
-
-
 def _play_patch(env, task, patch):
     """Plays `patch` with the env's tools (each changed file written whole), then submits."""
     env.reset(options={"task": task})
-    for rel, text in sorted(_patched(task, patch).items()):
+    for rel, text in sorted(patched_files(task, patch).items()):
         result = step(env, put(rel, text))
         assert not result.info["invalid_action"], result.observation
     return step(env, "submit")
@@ -78,7 +57,9 @@ def _play_patch(env, task, patch):
 def _overlay(task, patch):
     """The grading overlay (`graded_files`) of a submission that applies `patch`."""
     ws = Workspace(task.tree)
-    ws.apply_changes({p: t.encode() for p, t in _patched(task, patch).items()} if patch else {})
+    ws.apply_changes(
+        {p: t.encode() for p, t in patched_files(task, patch).items()} if patch else {}
+    )
     files, taken, _ = graded_files(task, ws)
     return files, taken
 
@@ -150,7 +131,7 @@ def test_truncated_parametrised_ids_match_as_upstream(env, tmp_path):
     # scikit-learn-15100's case. Upstream runs `pytest -rA` and records `PASSED <id>` lines up to
     # the first space, which is how the dataset wrote these two PASS_TO_PASS ids; so with the gold
     # patch every id of the record is PASSED in its status map: resolved.
-    task = _load(tmp_path, "textvec")
+    task = record_task(tmp_path, "textvec")
     assert set(TEXTVEC_TRUNCATED) <= set(task.pass_to_pass)
     result = _play_patch(env, task, task.patch)
     assert result.reward == 1.0 and result.info["won"], result.observation
@@ -183,7 +164,7 @@ def test_truncated_parametrised_ids_match_as_upstream(env, tmp_path):
 def test_repository_plugins_loaded_by_its_config_are_kept(env, tmp_path):
     # pytest-dev/pytest's case: its addopts load `-p pytester`, which its tests need. Upstream runs
     # the repository's config as it is, so the gold patch passes both FAIL_TO_PASS tests: resolved.
-    task = _load(tmp_path, "miniwrap")
+    task = record_task(tmp_path, "miniwrap")
     result = _play_patch(env, task, task.patch)
     assert result.reward == 1.0, result.observation
     # Before: `-o addopts=` dropped the plugin and the pytester test could not get its fixture.
@@ -200,7 +181,7 @@ _FORCE_PASS_PLUGIN = "def pytest_pyfunc_call(pyfuncitem):\n    return True\n"
 def test_a_config_plugin_the_agent_changed_is_refused(env, tmp_path):
     # Keeping the repository's `-p` plugins lets a plugin be a library module: one the agent
     # changes is code that decides outcomes, so the run is not believed.
-    task = _load(tmp_path, "miniwrap")
+    task = record_task(tmp_path, "miniwrap")
     (tmp_path / "miniwrap/miniwrap/plugin.py").write_text('"""Test helpers of miniwrap."""\n')
     (tmp_path / "miniwrap/pyproject.toml").write_text(
         MINIWRAP_FILES["pyproject.toml"].replace("-p pytester", "-p pytester -p miniwrap.plugin")
@@ -282,7 +263,7 @@ def test_django_repo_is_graded_by_its_runner_and_log(tmp_path):
     # utils_tests.test_text` (the module test_patch touches) and reads `name (module.Class.name)
     # ... ok` lines: with the gold patch the FAIL_TO_PASS test and the three PASS_TO_PASS tests
     # are ok (test_noisy's `ok` on a later line), so resolved; without it, the new test FAILs.
-    task = _load(tmp_path, "minidj")
+    task = record_task(tmp_path, "minidj")
     gold = _overlay(task, task.patch)[0]
     result, outcomes, problem = grade_in_docker(_JailExecutor(), task, gold, _LIMITS, "python", ())
     assert problem is None and result.exit_code == 0, result.output

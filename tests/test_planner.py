@@ -16,26 +16,26 @@ from bpo_jax.rollout.forest_builder import ForestBuilder
 from bpo_jax.rollout.planner import BranchPlanner
 
 
+def _started(spec, selector, horizon, backbones, seed):
+    """A planner for one task (`spec`, `selector`, env-step costs) with `backbones` paths at
+    t = 0; every path lasts `horizon` steps: remaining(t) = horizon - t."""
+    lengths = LengthModel(horizon)
+    for _ in range(8):
+        lengths.add(horizon)
+    p = BranchPlanner(spec, selector, lengths, CostModel("env_steps"), num_tasks=1, seed=seed)
+    builder = ForestBuilder(1)
+    live = [builder.start_path(0) for _ in range(backbones)]
+    for path in live:
+        p.add_backbone(path)
+    return p, live
+
+
 def planner(mode, budget, seed=0, horizon=4):
     spec = TreeSpec(
         root_group=2, num_branches=2, branch_budget=1, max_depth=1, budget=budget, budget_mode=mode
     )
-    lengths = LengthModel(horizon)
-    for _ in range(8):
-        lengths.add(horizon)  # Every path lasts `horizon` steps: remaining(t) = horizon - t.
-    p = BranchPlanner(
-        spec,
-        make_selector("uniform", branch_prob=1.0, seed=seed),
-        lengths,
-        CostModel("env_steps"),
-        num_tasks=1,
-        seed=seed,
-    )
-    builder = ForestBuilder(1)
-    live = [builder.start_path(0) for _ in range(2)]
-    for path in live:
-        p.add_backbone(path)
-    return p, live
+    selector = make_selector("uniform", branch_prob=1.0, seed=seed)
+    return _started(spec, selector, horizon, backbones=2, seed=seed)
 
 
 def test_cap_never_takes_a_branch_that_does_not_fit():
@@ -111,15 +111,7 @@ def test_target_budget_keeps_the_gradient_exact():
 def probe_planner(share, seed):
     """One task, three backbones at t = 0 of 4-step episodes (12 committed) and a budget of 16."""
     spec = TreeSpec(root_group=3, branch_budget=1, budget=16.0, probe_share=share)
-    lengths = LengthModel(4)
-    for _ in range(8):
-        lengths.add(4)
-    p = BranchPlanner(spec, None, lengths, CostModel("env_steps"), num_tasks=1, seed=seed)
-    builder = ForestBuilder(1)
-    live = [builder.start_path(0) for _ in range(3)]
-    for path in live:
-        p.add_backbone(path)
-    return p, live
+    return _started(spec, None, 4, backbones=3, seed=seed)
 
 
 def test_probes_spend_their_share_of_the_slack():

@@ -69,6 +69,13 @@ def fresh_cache(batch):
     return init_cache(CFG, batch, CAPACITY)
 
 
+def generate_fresh(sampler, params, ps, rng, **options):
+    """`sampler.generate` from the prompts `ps` prefilled into a fresh cache of their rows."""
+    return sampler.generate(
+        params, sampler.prefill(params, fresh_cache(len(ps)), ps), rng, **options
+    )
+
+
 def test_cached_decode_matches_uncached_forward(setup):
     _, params, sampler, forward = setup
     temperature = 0.7
@@ -225,11 +232,9 @@ def test_rows_of_different_lengths_behave_as_if_alone(setup):
     lens = [3, 20, 9, 33]
     ps = prompts(lens, seed=5)
     row_keys = keys(20, 21, 22, 23)
-    batch = sampler.generate(params, sampler.prefill(params, fresh_cache(4), ps), row_keys)
+    batch = generate_fresh(sampler, params, ps, row_keys)
     for b, p in enumerate(ps):
-        alone = sampler.generate(
-            params, sampler.prefill(params, fresh_cache(1), [p]), row_keys[b : b + 1]
-        )
+        alone = generate_fresh(sampler, params, [p], row_keys[b : b + 1])
         np.testing.assert_array_equal(alone.tokens[0], batch.tokens[b])
         np.testing.assert_allclose(alone.logprobs[0], batch.logprobs[b], atol=ATOL)
         np.testing.assert_allclose(alone.entropies[0], batch.entropies[b], atol=ATOL)
@@ -239,9 +244,7 @@ def test_greedy_is_argmax_and_tiny_top_p_is_greedy(setup):
     _, params, sampler, forward = setup
     lens = [4, 12, 27, 8]
     ps = prompts(lens, seed=6)
-    greedy = sampler.generate(
-        params, sampler.prefill(params, fresh_cache(4), ps), jax.random.key(0), temperature=0.0
-    )
+    greedy = generate_fresh(sampler, params, ps, jax.random.key(0), temperature=0.0)
     ref = reference_logits(forward, params, [p + generated(greedy, b) for b, p in enumerate(ps)])
     for b, n in enumerate(lens):
         logits = ref[b, n - 1 : n - 1 + NEW]
@@ -252,13 +255,7 @@ def test_greedy_is_argmax_and_tiny_top_p_is_greedy(setup):
             greedy.logprobs[b], logp[np.arange(NEW), greedy.tokens[b]], atol=ATOL
         )
 
-    nucleus = sampler.generate(
-        params,
-        sampler.prefill(params, fresh_cache(4), ps),
-        jax.random.key(123),
-        temperature=1.0,
-        top_p=1e-6,
-    )
+    nucleus = generate_fresh(sampler, params, ps, jax.random.key(123), temperature=1.0, top_p=1e-6)
     np.testing.assert_array_equal(nucleus.tokens, greedy.tokens)
     # logprobs describe the tempered distribution before truncation, so they are not 0.
     assert (nucleus.logprobs < -1e-3).any()
@@ -268,12 +265,8 @@ def test_logprobs_and_entropies_are_valid(setup):
     _, params, sampler, _ = setup
     ps = prompts([10, 3, 31, 17], seed=7)
     for temperature, top_p in [(1.0, 1.0), (0.5, 0.9), (1.5, 0.5)]:
-        out = sampler.generate(
-            params,
-            sampler.prefill(params, fresh_cache(4), ps),
-            jax.random.key(3),
-            temperature=temperature,
-            top_p=top_p,
+        out = generate_fresh(
+            sampler, params, ps, jax.random.key(3), temperature=temperature, top_p=top_p
         )
         assert np.isfinite(out.logprobs).all() and (out.logprobs <= 0).all()
         assert (out.entropies >= 0).all()
@@ -287,15 +280,13 @@ def test_stops_at_eos_and_pads_after(setup):
     graphdef, params, base, _ = setup
     lens = [6, 15, 2, 22]
     ps = prompts(lens, seed=8)
-    free = base.generate(
-        params, base.prefill(params, fresh_cache(4), ps), jax.random.key(0), temperature=0.0
-    )
+    free = generate_fresh(base, params, ps, jax.random.key(0), temperature=0.0)
     # Every row's third greedy token is a stop token: all rows stop, by step 3 at the latest.
     eos = sorted({int(t) for t in free.tokens[:, 2]})
     sampler = sampler_lib.Sampler(
         graphdef, eos_ids=eos, pad_id=0, max_new_tokens=NEW, temperature=0.0, length_bucket=BUCKET
     )
-    out = sampler.generate(params, sampler.prefill(params, fresh_cache(4), ps), jax.random.key(0))
+    out = generate_fresh(sampler, params, ps, jax.random.key(0))
     for b in range(4):
         first = next(j for j in range(NEW) if free.tokens[b, j] in eos)
         assert out.lengths[b] == first + 1 and out.stopped[b]

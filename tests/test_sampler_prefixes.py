@@ -63,6 +63,15 @@ def grouped(h, lengths, first_tokens, seed):
     return [h[b // GROUP] + s for b, s in enumerate(rows)]
 
 
+def first_turn(params, sampler, head_seed, lens, seed):
+    """A prefix cache after a first turn whose rows are `grouped` under `heads(head_seed)`, with
+    suffixes of `lens` tokens: (the cache, the heads, the turn's prompts, its prefill state)."""
+    prefixes = PrefixCache(sampler, new_cache)
+    h = heads(seed=head_seed)
+    turn = grouped(h, lens, range(1, 9), seed=seed)
+    return prefixes, h, turn, prefixes.prefill(params, turn)
+
+
 def fresh(params, sampler, prompts):
     return sampler.prefill(params, new_cache(len(prompts)), prompts)
 
@@ -140,11 +149,8 @@ def test_group_members_continue_their_own_rows_in_place(setup, monkeypatch):
     from bpo_jax.sampler import prefixes as prefixes_lib
 
     params, sampler = setup
-    prefixes = PrefixCache(sampler, new_cache)
-    h = heads(seed=21)
     lens = [4, 6, 3, 5, 7, 2, 8, 5]
-    turn1 = grouped(h, lens, range(1, 9), seed=22)
-    prefixes.prefill(params, turn1)
+    prefixes, h, _, _ = first_turn(params, sampler, 21, lens, seed=22)
     calls = []
     monkeypatch.setattr(prefixes_lib, "regroup", lambda *a: calls.append(a) or None)
     turn2 = grouped(h, lens, range(11, 19), seed=23)
@@ -160,11 +166,8 @@ def test_rows_continue_other_rows_reordered_and_repeated(setup):
     Also checks that the kept rows survive the `generate` that consumes the returned state.
     """
     params, sampler = setup
-    prefixes = PrefixCache(sampler, new_cache)
-    h = heads(seed=11)
     lens1 = [6, 3, 9, 4, 2, 8, 5, 7]
-    turn1 = grouped(h, lens1, range(1, 9), seed=12)
-    state = prefixes.prefill(params, turn1)
+    prefixes, _, turn1, state = first_turn(params, sampler, 11, lens1, seed=12)
     sampler.generate(params, state, jax.random.key(0))  # consumes `state`, not the kept rows
     parents = [5, 5, 2, 0, 7, 1]
     ext = [3, 7, 1, 4, 2, 6]
@@ -188,11 +191,8 @@ def test_identical_prompts_run_once(setup):
 
 def test_new_parameters_start_from_nothing(setup):
     params, sampler = setup
-    prefixes = PrefixCache(sampler, new_cache)
-    h = heads(seed=6)
     lens = [3, 4, 5, 6, 7, 8, 9, 10]
-    prompts = grouped(h, lens, range(1, 9), seed=7)
-    prefixes.prefill(params, prompts)
+    prefixes, _, prompts, _ = first_turn(params, sampler, 6, lens, seed=7)
     updated = jax.tree.map(lambda x: x * 1.01, params)
     state = prefixes.prefill(updated, prompts)
     # Nothing kept under the old parameters is reused: the heads and suffixes run again.

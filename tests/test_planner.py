@@ -71,17 +71,18 @@ def test_refund_and_charge():
     assert list(p.costs.episodes) == [1.0] and p.lengths.lengths[-1] == 4
 
 
+def two_level_spec(root_group, **fields):
+    """Trees of K = 2 children at up to 2 branch points a backbone, 2 levels deep, their budget
+    counted in env steps; `fields` are TreeSpec's others."""
+    return TreeSpec(
+        root_group=root_group, num_branches=2, branch_budget=2, max_depth=2,
+        budget_unit="env_steps", **fields,
+    )  # fmt: skip
+
+
 def budget_spec(mode):
     """Backbones cost 3 + 3 env steps (H = 3); 8.5 leaves room for part of a branch."""
-    return TreeSpec(
-        root_group=2,
-        num_branches=2,
-        branch_budget=2,
-        max_depth=2,
-        budget=8.5,
-        budget_unit="env_steps",
-        budget_mode=mode,
-    )
+    return two_level_spec(2, budget=8.5, budget_mode=mode)
 
 
 @pytest.mark.parametrize("mode", ["target", "cap"])
@@ -138,15 +139,7 @@ def test_probe_share_keeps_the_gradient_exact_and_branches_more_at_matched_spend
     spends it on probes; probing half of it leaves more for branches. Both stay unbiased."""
     points = {}
     for share in (1.0, 0.5):
-        spec = TreeSpec(
-            root_group=3,
-            num_branches=2,
-            branch_budget=2,
-            max_depth=2,
-            budget_episodes=4.0,
-            budget_unit="env_steps",
-            probe_share=share,
-        )
+        spec = two_level_spec(3, budget_episodes=4.0, probe_share=share)
         selector = make_selector("action_samples", probes=2)
         grads, exact, forest = sampled_gradients("generic", selector, spec, 3000, seed=6)
         assert forest.spend_ratio.mean() <= 1.05
@@ -284,16 +277,7 @@ def _spread_config(selector):
 def test_spread_schedule_and_per_task_budget_keep_the_gradient_exact():
     """Ranks at step t use only steps already taken, and each task's budget only its backbones'
     progress so far (`budget_episodes`): trees stay unbiased and spend the budget."""
-    spec = TreeSpec(
-        root_group=2,
-        num_branches=2,
-        branch_budget=2,
-        max_depth=2,
-        budget_episodes=4.0,
-        budget_unit="env_steps",
-        branch_schedule="spread",
-        branch_scale=2.0,
-    )
+    spec = two_level_spec(2, budget_episodes=4.0, branch_schedule="spread", branch_scale=2.0)
     selector = make_selector("entropy", per_step=True, min_history=16)
     grads, exact, forest = sampled_gradients("generic", selector, spec, num_tasks=3000, seed=5)
     assert forest.num_branch_points > 1000

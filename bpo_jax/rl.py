@@ -12,9 +12,12 @@ enters the loss once. `learner.RLUpdater` runs the clipped policy-gradient updat
 from __future__ import annotations
 
 import collections
+import copy
 import dataclasses
 import time
+from collections.abc import Sequence
 
+import jax
 import numpy as np
 
 from bpo_jax import learner
@@ -25,7 +28,7 @@ from bpo_jax.io.metrics import BRANCH_STEP_PREFIX
 from bpo_jax.learner import Example
 from bpo_jax.multihost import shares
 from bpo_jax.parallel import distributed
-from bpo_jax.rollout.branching import CostModel, LengthModel, make_selector
+from bpo_jax.rollout.branching import CostModel, LengthModel, Measurements, make_selector, measure
 from bpo_jax.rollout.engine import TreeSpec, play_forest
 from bpo_jax.rollout.forest import ForestArrays, RolloutForest
 from bpo_jax.rollout.timing import CompileClock, env_floor_metrics
@@ -80,6 +83,29 @@ class RolloutState:
             "selector_rate": self.selector.rate(),
             "branch_scale": self.branch_scale,
         }
+
+    def measuring_copy(self, seed: int | None = None) -> tuple[RolloutState, Measurements]:
+        """A copy of this state for a share to play on, and the record of what that play feeds
+        its statistics (`branching.measure`); this state is left as it is.
+
+        Args:
+          seed: if given, the copy's branch rule draws from its own random stream started from
+            it (`BranchSelector.reseed`), not from a copy of this state's: shares that started
+            from one state would otherwise draw the same numbers, batch after batch.
+        """
+        local = copy.deepcopy(self)
+        if seed is not None:
+            local.selector.reseed(seed)
+        return local, measure(local.selector, local.lengths, local.costs)
+
+    def absorb(self, shares_measured: Sequence[Measurements]) -> None:
+        """Adds what a batch's shares measured, in share order, to the running statistics.
+
+        The shares played on copies of this state as it stood at the batch's start; their
+        measurements are merged as plain data (`Measurements.merged`) and fed once, so the
+        result depends on the shares' order only, not on which process played which.
+        """
+        Measurements.merged(shares_measured).apply_to(self.selector, self.lengths, self.costs)
 
     def loaded(self, data: dict) -> RolloutState:
         """This (fresh) state with the statistics `dump` wrote added; returns self."""
@@ -150,17 +176,22 @@ def play_batch(pool, policy, tasks, cfg: ExperimentConfig, state: RolloutState, 
     """Stage 1: every task's forest under the algorithm's topology (returns forest, spec).
 
     The tasks are played in `mesh.task_shards` shares (`bpo_jax.multihost.shares`), each host its
-    own;
-    every host returns the whole batch's forest, and `state` gains every share's statistics.
+    own; every host returns the whole batch's forest. Each share plays on a copy of `state` as
+    it stood at the batch's start and returns what it measured (`RolloutState.measuring_copy`);
+    `state` then gains every share's measurements, in share order (`RolloutState.absorb`).
     """
     spec = tree_spec(cfg, state)
     encode = make_agent(cfg, policy.tokenizer)
     num = distributed.num_shares(cfg.mesh.task_shards)
-    # One share on one process: play on the running statistics themselves.
+    # One share on one process: play on the running statistics themselves (they end as a copy's
+    # absorbed measurements would leave them), and the rule's random stream runs on over batches.
     direct = num == 1 and distributed.process_count() == 1
 
     def play(share_tasks, key, _share, share_policy):
-        local = state if direct else shares.recording_copy(state)
+        if direct:
+            local, measured = state, None
+        else:  # The rule's random stream from the share's key (`RolloutState.measuring_copy`).
+            local, measured = state.measuring_copy(seed=stream_seed(key))
         forest = play_forest(
             pool,
             share_policy,
@@ -173,15 +204,20 @@ def play_batch(pool, policy, tasks, cfg: ExperimentConfig, state: RolloutState, 
             costs=local.costs,
             cohorts=cfg.rollout.overlap_cohorts,
         )
-        return forest, None if direct else shares.recorded_delta(local)
+        return forest, measured
 
     played = shares.play_in_shares(tasks, num, rng, policy, play)
     if not direct:
-        for _, (_, delta) in played:
-            state.loaded(delta)
+        state.absorb([measured for _, (_, measured) in played])
     forest = shares.merge_forests([f for _, (f, _) in played])
     state.adapt(cfg, forest)
     return forest, spec
+
+
+def stream_seed(key) -> int:
+    """A seed for a share's branch-rule stream, from its key (independent of the planner's,
+    which `play_forest` draws at `fold_in(key, 2**20)`)."""
+    return int(jax.random.randint(jax.random.fold_in(key, 2**21), (), 0, 2**31 - 1))
 
 
 def fit_critic(critic, params, forest: RolloutForest, arrays: ForestArrays, cfg: ExperimentConfig):

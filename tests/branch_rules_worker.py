@@ -9,7 +9,8 @@ no behaviour cloning) and, for every registered branch rule, plays rollout batch
   MODE "one" (one process): one batch in one share, and `BATCHES` batches in two shares
     (`mesh.task_shards=2`); before each two-share batch, each of its shares is also played
     as a one-share batch of its own tasks with its key, on a copy of the rollout state the
-    batch starts from: what the two shares should measure;
+    batch starts from (the rule's random stream started from the key, as a share's is:
+    `rl.stream_seed`): what the two shares should measure;
   MODE "two" (each of several processes): the `BATCHES` two-share batches.
 Process 0 writes `{rule: {"1" | "2" | "alone": [batch record (`record`), ...]}}` to OUT as
 JSON ("alone": per batch, the two one-share records).
@@ -123,13 +124,14 @@ def _alone(run, tasks, cfg, rollout, key) -> list[dict]:
     """Each of the batch's two shares played as a one-share batch of its own tasks with its own
     key (`distributed.share_key`), on a copy of `rollout`: what the shares should measure."""
     from bpo_jax.parallel import distributed
-    from bpo_jax.rl import play_batch
+    from bpo_jax.rl import play_batch, stream_seed
 
     one = dataclasses.replace(cfg, mesh=dataclasses.replace(cfg.mesh, task_shards=1))
     out = []
     for s, part in enumerate(distributed.share_slices(len(tasks), 2)):
         sub = distributed.share_key(key, s, 2)
         local = copy.deepcopy(rollout)
+        local.selector.reseed(stream_seed(sub))  # A share's rule draws from its key's stream.
         forest, _ = play_batch(run.pool, run.policy, tasks[part], one, local, sub)
         out.append(record(forest, local))
     return out

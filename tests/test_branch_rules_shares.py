@@ -2,8 +2,11 @@
 batch leaves are its shares' measurements, merged in share order.
 
 A batch played in several shares (`mesh.task_shards`, one host each in a multi-host run) plays
-every share on a copy of the rollout state as it stood at the batch's start, and the running
-state gains what each share measured, in share order. Checked here, per rule:
+every share on a copy of the rollout state as it stood at the batch's start; each share returns
+what it measured (`branching.Measurements`) and the running state absorbs them in share order
+(`rl.RolloutState.absorb`). Checked here, per rule:
+- in process, on the tabular MDPs: absorbing a copy's measurements equals playing on the state
+  itself (what a one-share run does), and share order is kept;
 - on the tiny ALFWorld BPO config (`tests/branch_rules_worker.py`): one share and two shares in
   one process (`mesh.task_shards=2`) play, and a two-share batch is exactly its two shares each
   played alone, merged in share order: the forests concatenated, the statistics the start's
@@ -14,17 +17,140 @@ state gains what each share measured, in share order. Checked here, per rule:
 
 from __future__ import annotations
 
+import copy
 import json
+import pickle
 import sys
 import time
 
+import jax
+import numpy as np
 import pytest
 from helpers import REPO, free_port, run_together
+from test_engine_mdp import TabularPolicy, encode
 
-from bpo_jax.rollout.branching import SELECTORS
+from bpo_jax.rl import RolloutState
+from bpo_jax.rollout.branching import (
+    SELECTORS,
+    CostModel,
+    LengthModel,
+    Measurements,
+    make_selector,
+    measure,
+)
+from bpo_jax.rollout.engine import TreeSpec, play_forest
+from envs.sandbox import SandboxPool
+from envs.tabular import load_tasks, make_mdp, random_logits
 
 WORKER = REPO / "tests" / "branch_rules_worker.py"
 RULES = sorted(SELECTORS)
+INSTANCE = "variable_length"  # Paths of several lengths: the order of lengths shows.
+
+
+# In process, on a tabular MDP.
+
+
+def _rollout_state(rule: str) -> RolloutState:
+    selector = make_selector(
+        rule, quantile=0.5, min_history=4, branch_prob=0.5, interval=1, probes=2
+    )
+    return RolloutState(selector, LengthModel(make_mdp(INSTANCE, 0).horizon), CostModel("tokens"))
+
+
+def _play(pool, state: RolloutState, copies: int, seed: int) -> None:
+    """One batch of `copies` tasks grown as BPO trees on `state`'s statistics."""
+    play_forest(
+        pool,
+        TabularPolicy(random_logits(make_mdp(INSTANCE, 0), seed=1, scale=0.7)),
+        encode,
+        load_tasks(None, "train", instance=INSTANCE, copies=copies),
+        TreeSpec(root_group=2, num_branches=2, branch_budget=2, max_depth=2),
+        rng=jax.random.key(seed),
+        selector=state.selector,
+        lengths=state.lengths,
+        costs=state.costs,
+    )
+
+
+@pytest.fixture(scope="module")
+def tabular_pool():
+    with SandboxPool("tabular", {"instance": INSTANCE}, backend="inprocess") as pool:
+        yield pool
+
+
+@pytest.mark.parametrize("rule", RULES)
+def test_absorbed_measurements_equal_playing_on_the_state(tabular_pool, rule):
+    """What a one-share run does (play on the state) and what a share does (play on a copy,
+    whose measurements the state absorbs) leave the same statistics."""
+    direct = _rollout_state(rule)
+    for seed in range(3):  # Later batches start from statistics the earlier ones left.
+        merged = copy.deepcopy(direct)
+        _play(tabular_pool, direct, copies=3, seed=seed)
+        local, measured = merged.measuring_copy()  # The rule's stream copied: the same draws.
+        _play(tabular_pool, local, copies=3, seed=seed)
+        before = merged.dump()
+        merged.absorb([measured])
+        assert merged.dump() == direct.dump() == local.dump()
+        assert merged.dump() != before
+    assert direct.dump()["lengths"]
+    if rule in ("entropy", "action_samples"):
+        assert direct.dump()["scores"]["pooled"]
+
+
+@pytest.mark.parametrize("rule", RULES)
+def test_shares_are_absorbed_in_share_order(tabular_pool, rule):
+    start = _rollout_state(rule)
+    _play(tabular_pool, start, copies=2, seed=0)
+    parts = []
+    for seed, copies in ((1, 2), (2, 3)):
+        local, measured = start.measuring_copy()
+        _play(tabular_pool, local, copies=copies, seed=seed)
+        parts.append(measured)
+    merged, reverse, by_hand = (copy.deepcopy(start) for _ in range(3))
+    merged.absorb(parts)
+    reverse.absorb(parts[::-1])
+    for m in parts:
+        m.apply_to(by_hand.selector, by_hand.lengths, by_hand.costs)
+    assert merged.dump() == by_hand.dump()
+    d, s = merged.dump(), start.dump()
+    assert d["lengths"] == s["lengths"] + parts[0].lengths + parts[1].lengths
+    assert (
+        d["episode_costs"] == s["episode_costs"] + parts[0].episode_costs + parts[1].episode_costs
+    )
+    assert d["actions"] == s["actions"] + parts[0].actions + parts[1].actions
+    assert parts[0].lengths != parts[1].lengths  # Order is visible: the check can fail.
+    assert reverse.dump()["lengths"] != d["lengths"]
+
+
+def test_measurements_are_plain_data_merged_in_order():
+    a = Measurements([([0.5, 1.0], [0, 1])], [3, 2], 4, 20, [8.0])
+    b = Measurements([([2.0], None)], [1], 1, 3, [])
+    m = Measurements.merged([a, b])
+    assert m == Measurements([([0.5, 1.0], [0, 1]), ([2.0], None)], [3, 2, 1], 5, 23, [8.0])
+    assert a == Measurements([([0.5, 1.0], [0, 1])], [3, 2], 4, 20, [8.0])  # Inputs untouched.
+    # What a share returns travels between processes by pickle (`distributed.allgather_objects`).
+    assert pickle.loads(pickle.dumps(m)) == m
+
+
+def test_measure_writes_down_what_the_models_are_fed():
+    selector, lengths, costs = (
+        make_selector("entropy", min_history=1),
+        LengthModel(5),
+        CostModel("tokens"),
+    )
+    journal = measure(selector, lengths, costs)
+    selector.observe(np.array([0.25, 0.5], np.float32), np.array([0, 3]))
+    lengths.add(4)
+    costs.record(2, 9)
+    costs.record_episode(9.0)
+    assert journal == Measurements([([0.25, 0.5], [0, 3])], [4], 2, 9, [9.0])
+    fresh = make_selector("entropy", min_history=1), LengthModel(5), CostModel("tokens")
+    journal.apply_to(*fresh)
+    assert fresh[0].history.dump() == selector.history.dump()
+    assert list(fresh[1].lengths) == [4] and fresh[2].tokens_per_action == 4.5
+
+
+# The tiny ALFWorld config, in worker processes.
 
 
 def _launch(out, mode: str, processes: int = 1) -> float:

@@ -10,14 +10,15 @@ v6e) require: they refuse programs on a subset of their chips. The hosts then ex
 they played, so every host holds the whole batch's forest in task order (`merge_forests`),
 computes the same advantages and metrics, and feeds the same global update. The rollouts'
 running statistics (branch rule, lengths, costs) are read as they stood at the start of the
-batch by every share and merged afterwards in share order, so the outcome depends on the number
-of shares, not on which process played which.
+batch by every share; each share's `play` returns what it measured as plain data
+(`bpo_jax.rollout.branching.Measurements`) with its result, and the caller feeds those to the
+running statistics in share order (`rl.RolloutState.absorb`), so the outcome depends on the
+number of shares, not on which process played which.
 """
 
 from __future__ import annotations
 
 import collections
-import copy
 import dataclasses
 from collections.abc import Callable, Sequence
 
@@ -64,48 +65,6 @@ def play_in_shares(
             mine = play_mine(policy)
     gathered = [item for part in distributed.allgather_objects(mine) for item in part]
     return [(slices[s], result) for s, result in sorted(gathered, key=lambda x: x[0])]
-
-
-class _Recorded(collections.deque):
-    """A bounded deque that also lists what was added to it (a share's new statistics)."""
-
-    def __init__(self, items, maxlen):
-        super().__init__(items, maxlen)
-        self.added: list = []
-
-    def append(self, x):
-        self.added.append(x)
-        super().append(x)
-
-    def extend(self, xs):
-        xs = list(xs)
-        self.added.extend(xs)
-        super().extend(xs)
-
-
-def recording_copy(state):
-    """A copy of an `rl.RolloutState` whose histories record what a share adds to them."""
-    state = copy.deepcopy(state)
-    recent = getattr(state.selector, "recent", None)
-    if recent is not None:
-        state.selector.recent = _Recorded(recent, recent.maxlen)
-    state.lengths.lengths = _Recorded(state.lengths.lengths, state.lengths.lengths.maxlen)
-    state.costs.episodes = _Recorded(state.costs.episodes, state.costs.episodes.maxlen)
-    state.costs.start_counts = (state.costs.actions, state.costs.tokens)
-    return state
-
-
-def recorded_delta(state) -> dict:
-    """What a `recording_copy` gained while playing, in `RolloutState.loaded`'s format."""
-    recent = getattr(state.selector, "recent", None)
-    actions, tokens = state.costs.start_counts
-    return {
-        "lengths": list(state.lengths.lengths.added),
-        "actions": state.costs.actions - actions,
-        "tokens": state.costs.tokens - tokens,
-        "episode_costs": list(state.costs.episodes.added),
-        "recent_entropies": list(recent.added) if recent is not None else [],
-    }
 
 
 def merge_forests(forests: Sequence[RolloutForest]) -> RolloutForest:

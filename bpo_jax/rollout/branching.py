@@ -37,13 +37,19 @@ The budget (matched compute) is per task, in generated tokens or environment ste
 spends it is the branch planner's (`bpo_jax.rollout.planner`). Expected remaining costs come from
 `LengthModel`, the lengths of recently finished paths; the budget's reference, the cost of an
 independent episode, from `CostModel.episodes`.
+
+What a batch feeds these running statistics (a rule's scores, finished lengths, sampled actions
+and tokens, episode costs) can also be written down as it arrives, as plain data
+(`Measurements`, started by `measure`), and fed to another copy of the statistics later
+(`Measurements.apply_to`): how a batch played in shares on several hosts updates one running
+state (`bpo_jax.multihost.shares`).
 """
 
 from __future__ import annotations
 
 import collections
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 import numpy as np
 
@@ -76,19 +82,93 @@ def action_entropy(token_entropies: np.ndarray, reduce: str) -> float:
     raise ValueError(f"Unknown entropy_reduce {reduce!r}; expected one of {ENTROPY_REDUCE}.")
 
 
+@dataclasses.dataclass
+class Measurements:
+    """What a batch fed the running statistics, as plain data, in the order it came.
+
+    Attributes:
+      scores: one `(scores, steps)` per turn the branch rule observed (`BranchSelector.observe`;
+        steps None where none were given).
+      lengths: the length of every finished path (`LengthModel.add`).
+      actions, tokens: sampled actions and their generated tokens (`CostModel.record`).
+      episode_costs: the cost of every finished backbone episode (`CostModel.record_episode`).
+    """
+
+    scores: list[tuple[list[float], list[int] | None]] = dataclasses.field(default_factory=list)
+    lengths: list[int] = dataclasses.field(default_factory=list)
+    actions: int = 0
+    tokens: int = 0
+    episode_costs: list[float] = dataclasses.field(default_factory=list)
+
+    @classmethod
+    def merged(cls, parts: Iterable[Measurements]) -> Measurements:
+        """Several batches' measurements as one, in the order given (each part's lists follow
+        the previous part's): feeding the result equals feeding the parts one after another."""
+        out = cls()
+        for m in parts:
+            out.scores += m.scores
+            out.lengths += m.lengths
+            out.actions += m.actions
+            out.tokens += m.tokens
+            out.episode_costs += m.episode_costs
+        return out
+
+    def apply_to(self, selector: BranchSelector | None, lengths: LengthModel, costs: CostModel):
+        """Feeds these measurements to running statistics, as a batch playing on them would
+        have (the rule's scores turn by turn, so its running history ends the same)."""
+        if selector is not None:
+            for scores, steps in self.scores:
+                selector.observe(np.asarray(scores, np.float64), _steps_array(steps))
+        for length in self.lengths:
+            lengths.add(length)
+        costs.record(self.actions, self.tokens)
+        for cost in self.episode_costs:
+            costs.record_episode(cost)
+
+
+def _steps_array(steps: list[int] | None) -> np.ndarray | None:
+    return None if steps is None else np.asarray(steps, np.int64)
+
+
+def measure(selector, lengths: LengthModel, costs: CostModel) -> Measurements:
+    """Starts writing down what `selector`, `lengths` and `costs` are fed from now on.
+
+    Returns:
+      The `Measurements` they add to (each keeps its own statistics as before).
+    """
+    journal = Measurements()
+    for model in (selector, lengths, costs):
+        if model is not None:
+            model.journal = journal
+    return journal
+
+
 class BranchSelector:
     """Scores candidate branch points; a NaN score means "do not branch here".
 
     `online` rules are asked at every step (`scores`); the post-hoc rule is asked once per
     finished backbone (`choose_posthoc`). Higher scores are served first when the budget cannot
-    take every candidate of a turn.
+    take every candidate of a turn. A rule keeps its running statistics in `update`, so that
+    every turn it observes can also be written down (`journal`, see `measure`).
     """
 
     online = True
     probes = 0  # Extra actions the loop samples at h_t for `scores` (0: it passes entropies).
+    journal: Measurements | None = None  # Where observed scores are also written (`measure`).
 
     def observe(self, entropies: np.ndarray, steps: np.ndarray | None = None) -> None:
         """Sees the action entropies (scores) of one turn (all live paths) and their steps."""
+        if self.journal is not None:
+            self.journal.scores.append(
+                (
+                    [float(e) for e in np.asarray(entropies, np.float64).reshape(-1)],
+                    None if steps is None else [int(t) for t in np.asarray(steps).reshape(-1)],
+                )
+            )
+        self.update(entropies, steps)
+
+    def update(self, entropies: np.ndarray, steps: np.ndarray | None) -> None:
+        """The rule's own use of an observed turn (its running history); none by default."""
 
     def scores(self, entropies: np.ndarray, steps: np.ndarray) -> np.ndarray:
         raise NotImplementedError
@@ -111,6 +191,9 @@ class BranchSelector:
 
     def set_rate(self, value: float) -> None:
         pass
+
+    def reseed(self, seed: int) -> None:
+        """Restarts the rule's own random stream from `seed` (rules without one ignore it)."""
 
 
 class ScoreHistory:
@@ -183,12 +266,7 @@ class EntropySelector(BranchSelector):
         self.per_step = per_step
         self.history = ScoreHistory(window, min_history)
 
-    @property
-    def recent(self) -> collections.deque:
-        """The pooled history (saved with checkpoints)."""
-        return self.history.pooled
-
-    def observe(self, entropies: np.ndarray, steps: np.ndarray | None = None) -> None:
+    def update(self, entropies: np.ndarray, steps: np.ndarray | None) -> None:
         self.history.add(entropies, steps)
 
     def threshold_at(self, t: int | None = None) -> float:
@@ -233,6 +311,9 @@ class UniformSelector(BranchSelector):
         if not 0.0 <= branch_prob <= 1.0:
             raise ValueError(f"branch_prob must be in [0, 1], got {branch_prob}.")
         self.prob = branch_prob
+        self.rng = np.random.default_rng(seed)
+
+    def reseed(self, seed: int) -> None:
         self.rng = np.random.default_rng(seed)
 
     def scores(self, entropies: np.ndarray, steps: np.ndarray) -> np.ndarray:
@@ -294,7 +375,7 @@ class ActionSampleSelector(BranchSelector):
         self.min_entropy = float(min_entropy)
         self.history = ScoreHistory(window, min_history)
 
-    def observe(self, entropies: np.ndarray, steps: np.ndarray | None = None) -> None:
+    def update(self, entropies: np.ndarray, steps: np.ndarray | None) -> None:
         e = np.asarray(entropies, np.float64)
         keep = np.isfinite(e)  # NaN: paths that drew no probes.
         self.history.add(e[keep], None if steps is None else np.asarray(steps)[keep])
@@ -346,12 +427,16 @@ class LengthModel:
     cautious rather than over budget.
     """
 
+    journal: Measurements | None = None  # Where added lengths are also written (`measure`).
+
     def __init__(self, max_steps: int, window: int = 2048):
         self.max_steps = max_steps
         self.lengths: collections.deque[int] = collections.deque(maxlen=window)
 
     def add(self, length: int) -> None:
         self.lengths.append(int(length))
+        if self.journal is not None:
+            self.journal.lengths.append(int(length))
 
     def mean_length(self) -> float:
         """Mean length of recent paths (the step limit before any has finished)."""
@@ -377,10 +462,14 @@ class CostModel:
     episodes: collections.deque = dataclasses.field(
         default_factory=lambda: collections.deque(maxlen=512)
     )
+    # Where recorded actions and episodes are also written (`measure`).
+    journal: Measurements | None = dataclasses.field(default=None, repr=False, compare=False)
 
     def record_episode(self, cost: float) -> None:
         """The cost of one whole on-policy episode from a task's reset (a backbone's path)."""
         self.episodes.append(float(cost))
+        if self.journal is not None:
+            self.journal.episode_costs.append(float(cost))
 
     def mean_episode(self) -> float | None:
         return float(np.mean(self.episodes)) if self.episodes else None
@@ -392,6 +481,9 @@ class CostModel:
     def record(self, num_actions: int, tokens: int) -> None:
         self.actions += num_actions
         self.tokens += tokens
+        if self.journal is not None:
+            self.journal.actions += num_actions
+            self.journal.tokens += tokens
         if self.actions:
             self.tokens_per_action = self.tokens / self.actions
 

@@ -171,3 +171,15 @@ def set_fields(cfg, fields):
         section, name = key.split(".")
         cfg[section][name] = value
     return cfg
+
+
+def compile_report(tmp_path: Path, *flags: str):
+    """The compile tool (`python -m bpo_jax.compile compile`) on the tiny ALFWorld setting with
+    `flags`: (its exit status, the JSON report it wrote)."""
+    from bpo_jax import compile as compile_tool
+
+    out = tmp_path / "report.json"
+    rc = compile_tool.main(
+        ["compile", "--config=experiments/alfworld.py:cpu", *flags, f"--json={out}"]
+    )
+    return rc, json.loads(out.read_text())

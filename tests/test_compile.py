@@ -1,8 +1,7 @@
 """The compile-only tool: real programs compiled for libtpu's compile-only TPU topologies."""
 
-import json
-
 import pytest
+from helpers import compile_report
 
 from bpo_jax import compile as compile_tool
 from bpo_jax.experiment import load_experiment
@@ -45,17 +44,9 @@ def test_unknown_accelerator_types_are_refused(bad):
 @pytest.mark.slow  # Minutes on 2 cores: CI's slow phase (the default suite stays short).
 def test_compile_tool_on_a_small_topology_writes_the_report(tmp_path):
     """The tiny ALFWorld setting compiled for a v5e-16 slice (16 compile-only chips)."""
-    out = tmp_path / "report.json"
-    rc = compile_tool.main(
-        [
-            "compile",
-            "--config=experiments/alfworld.py:cpu",
-            "--topology=v5litepod-16",
-            f"--programs={','.join(PROGRAMS)}",
-            f"--json={out}",
-        ]
+    rc, report = compile_report(
+        tmp_path, "--topology=v5litepod-16", f"--programs={','.join(PROGRAMS)}"
     )
-    report = json.loads(out.read_text())
     assert rc == 0
     assert report["topology"] == "v5litepod-16"
     assert report["num_slices"] == 1
@@ -107,18 +98,9 @@ def test_full_settings_fit(experiment, model, topology):
 @pytest.mark.slow  # 6 min measured on this loaded 2-core machine.
 def test_compile_tool_multislice_runs_data_over_the_slices(tmp_path):
     """`--num_slices=2` of v5litepod-4: 8 chips, the data axis over the two slices (DCN)."""
-    out = tmp_path / "report.json"
-    rc = compile_tool.main(
-        [
-            "compile",
-            "--config=experiments/alfworld.py:cpu",
-            "--topology=v5litepod-4",
-            "--num_slices=2",
-            "--programs=update",
-            f"--json={out}",
-        ]
+    rc, report = compile_report(
+        tmp_path, "--topology=v5litepod-4", "--num_slices=2", "--programs=update"
     )
-    report = json.loads(out.read_text())
     assert rc == 0
     assert (report["num_slices"], report["chips"]) == (2, 8)
     assert report["mesh"] == {"data": 2, "fsdp": 4, "tensor": 1}

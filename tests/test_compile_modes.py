@@ -1,9 +1,8 @@
 """The compile tool's modes beyond the default report: a program that does not fit, the sampler
 as a multi-host run places it (`--sampler=host`), and the prefill's attention bound."""
 
-import json
-
 import pytest
+from helpers import compile_report
 
 from bpo_jax import compile as compile_tool
 from bpo_jax.experiment import load_experiment
@@ -65,19 +64,8 @@ def test_host_sampler_with_the_sampler_s_bound_compiles_on_one_host(tmp_path):
     Not on v5e: XLA refuses a program over some of a v5e slice's chips ("On platforms with
     limited ICI routing device assignment should include all slice devices").
     """
-    out = tmp_path / "report.json"
-    rc = compile_tool.main(
-        [
-            "compile",
-            "--config=experiments/alfworld.py:cpu",
-            "--topology=v5p-32",
-            "--programs=prefill,decode",
-            "--sampler=host",
-            "--prefill_bound=capacity",
-            f"--json={out}",
-        ]
-    )
-    report = json.loads(out.read_text())
+    host = ["--sampler=host", "--prefill_bound=capacity"]
+    rc, report = compile_report(tmp_path, "--topology=v5p-32", "--programs=prefill,decode", *host)
     assert rc == 0
     assert report["prefill_bound"] == "capacity"
     # 4 tasks x 4 rollouts over 4 hosts: one task, 4 rows, on a host's 4 chips.

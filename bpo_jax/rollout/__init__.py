@@ -4,9 +4,10 @@ Where a tree branches (the planner and its rules), how its forest is built, and 
 
 May import: agent, estimators, sampler.
 
-Modules: `engine` (`play`, `play_forest`: every sandbox of a batch in lockstep), `planner`
-(which live paths branch at a turn), `branching` (branch rules, thresholds, the budget),
-`forest` and `forest_builder` (the segments and their conversion to the estimator's arrays),
-`cohorts` (groups of tasks whose turns are pipelined), `posthoc` (the post-hoc top-k ablation),
-`timing` (where an iteration's seconds go).
+Modules: `engine` (`play`, `play_forest`, `TreeSpec`), `loop` (the lockstep loop: every
+sandbox of a batch advances one turn per sampling call), `planner` (which live paths branch at a
+turn), `branching` (branch rules, thresholds, the budget), `forest` and `forest_builder` (the
+segments and their conversion to the estimator's arrays), `cohorts` (groups of tasks whose turns
+are pipelined), `posthoc` (the post-hoc top-k ablation), `timing` (where an iteration's seconds
+go).
 """

@@ -16,7 +16,7 @@ def posthoc_branches(loop) -> list:
     """New live paths (with sandboxes) for every finished backbone's cuts; frees the snapshots.
 
     Args:
-      loop: the `rollout._Lockstep` that played the backbones.
+      loop: the `loop.LockstepLoop` that played the backbones.
     """
     planner, builder, pool = loop.planner, loop.builder, loop.pool
     planner.start_posthoc()

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Installs everything and runs the main job on the small CPU default (tiny policy, ALFWorld).
+# Installs the runtime requirements (scripts/setup.sh: no test or compile-tool extras) and runs the
+# main job on the small CPU default (tiny policy, ALFWorld).
 # Extra arguments are passed to bpo_jax.main (e.g. --config.train.iterations=2).
 set -euo pipefail
 cd "$(dirname "$0")/.."

@@ -2,6 +2,7 @@
 
 import pytest
 from helpers import compile_report
+from libtpu_fixtures import require_libtpu
 
 from bpo_jax import compile as compile_tool
 from bpo_jax.experiment import load_experiment
@@ -44,6 +45,7 @@ def test_unknown_accelerator_types_are_refused(bad):
 @pytest.mark.slow  # Minutes on 2 cores: CI's slow phase (the default suite stays short).
 def test_compile_tool_on_a_small_topology_writes_the_report(tmp_path):
     """The tiny ALFWorld setting compiled for a v5e-16 slice (16 compile-only chips)."""
+    require_libtpu()
     rc, report = compile_report(
         tmp_path, "--topology=v5litepod-16", f"--programs={','.join(PROGRAMS)}"
     )
@@ -87,6 +89,7 @@ def load_cpu():
 @pytest.mark.parametrize("experiment", ["alfworld", "webshop", "swebench"])
 def test_full_settings_fit(experiment, model, topology):
     """The paper settings (their real minibatch and sequence lengths) fit the slices' HBM."""
+    require_libtpu()
     raw = load_experiment(f"experiments/{experiment}.py").get_config(f"model={model}")
     cfg = compile_tool.validate_for_compile(raw)
     report = compile_tool.compile_report(cfg, topology)
@@ -98,6 +101,7 @@ def test_full_settings_fit(experiment, model, topology):
 @pytest.mark.slow  # 6 min measured on this loaded 2-core machine.
 def test_compile_tool_multislice_runs_data_over_the_slices(tmp_path):
     """`--num_slices=2` of v5litepod-4: 8 chips, the data axis over the two slices (DCN)."""
+    require_libtpu()
     rc, report = compile_report(
         tmp_path, "--topology=v5litepod-4", "--num_slices=2", "--programs=update"
     )

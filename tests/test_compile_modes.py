@@ -3,6 +3,7 @@ as a multi-host run places it (`--sampler=host`), and the prefill's attention bo
 
 import pytest
 from helpers import compile_report
+from libtpu_fixtures import require_libtpu
 
 from bpo_jax import compile as compile_tool
 from bpo_jax.experiment import load_experiment
@@ -64,6 +65,7 @@ def test_host_sampler_with_the_sampler_s_bound_compiles_on_one_host(tmp_path):
     Not on v5e: XLA refuses a program over some of a v5e slice's chips ("On platforms with
     limited ICI routing device assignment should include all slice devices").
     """
+    require_libtpu()
     host = ["--sampler=host", "--prefill_bound=capacity"]
     rc, report = compile_report(tmp_path, "--topology=v5p-32", "--programs=prefill,decode", *host)
     assert rc == 0

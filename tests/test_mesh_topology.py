@@ -12,12 +12,14 @@ import textwrap
 
 import numpy as np
 import pytest
+from libtpu_fixtures import require_libtpu
 
 from bpo_jax import compile as compile_tool
 from bpo_jax.models import sharding
 
 
 def _devices(accelerator_type: str, num_slices: int = 1) -> list:
+    require_libtpu()
     return compile_tool.topology_devices(compile_tool.parse_topology(accelerator_type), num_slices)
 
 
@@ -102,6 +104,7 @@ _CPU_SCRIPT = textwrap.dedent(
     jax.config.update("jax_num_cpu_devices", 8)
     import numpy as np
     from bpo_jax.models import sharding
+from libtpu_fixtures import require_libtpu
 
     out = {}
     for shape in [(2, 2, 2), (1, -1, 2), (8, 1, 1)]:

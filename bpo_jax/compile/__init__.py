@@ -15,7 +15,8 @@ and batches are `jax.ShapeDtypeStruct`s with `NamedSharding`s on a mesh of libtp
 devices (`jax.experimental.topologies`), so a 7B model compiles for a 64-chip slice on a laptop.
 XLA's own memory and cost analyses of each compiled program give the per-chip bytes (against
 the chip's HBM), the FLOPs and bytes accessed, and a roofline time, max(FLOPs / peak, bytes /
-bandwidth). Needs `libtpu` (requirements-dev.txt); the JAX backend of the run itself stays CPU.
+bandwidth). Needs `libtpu`, the `tpu-compile` extra (`pip install -e .[tpu-compile]`, or
+`bash scripts/setup.sh tpu-compile`); the JAX backend of the run itself stays CPU.
 
 Modules: `topology` (TPU generations, gcloud's slice names, libtpu's compile-only devices),
 `programs` (the abstract inputs and the lowered programs), `report` (the compile, XLA's analyses,

@@ -1,10 +1,10 @@
 """The BPO estimator against exact gradients of small tabular MDPs (envs/tabular.py).
 
-A reference forest sampler in NumPy draws many BPO forests at once (one task root per forest):
-a root group of K0 backbones, branch points decided online from the history alone (a fixed
-depth, and a state-dependent coin), every fork rolled to the end, forks branching again up to a
-depth limit. One jitted call of `estimators.tree_advantages` / `segment_weights` covers all the
-forests; the per-forest gradient estimate is
+A reference forest sampler in NumPy (`tabular_trees.sample_trees`) draws many BPO forests at
+once (one task root per forest): a root group of K0 backbones, branch points decided online from
+the history alone (a fixed depth, and a state-dependent coin), every fork rolled to the end,
+forks branching again up to a depth limit. One jitted call of `estimators.tree_advantages` /
+`segment_weights` covers all the forests; the per-forest gradient estimate is
 
     g = sum_s w(s) A(s) sum_{steps in s} grad log pi(a | state),
 
@@ -22,6 +22,7 @@ from typing import NamedTuple
 
 import numpy as np
 import pytest
+from tabular_trees import sample_trees
 
 from bpo_jax import estimators as est
 from envs import base as env_base
@@ -83,64 +84,30 @@ def _draw_actions(cdf, state, rng):
 
 
 def sample_forests(mdp, logits, branching: Branching, num_forests: int, seed: int) -> Sample:
-    """Draws `num_forests` independent BPO forests, all paths advancing one step at a time."""
-    rng = np.random.default_rng(seed)
-    cdf = np.cumsum(tabular.policy_probs(logits), axis=1)
-    k0 = branching.root_k
-    forest = np.repeat(np.arange(num_forests), k0)  # per live path
-    segment = np.arange(num_forests * k0)
-    state = np.zeros_like(forest)
-    depth = np.zeros_like(forest)
-    seg_parent = [forest.copy()]  # chunks in segment-id order
-    node_t = [np.zeros(num_forests, np.int64)]
-    ended_seg, ended_node = [], []
-    num_segments, num_nodes = num_forests * k0, num_forests
-    steps = []
-    for t in range(mdp.horizon):
-        if t >= 1:
-            if t == branching.fixed_t:
-                branch, k = np.ones(len(state), bool), branching.fixed_k
-            elif branching.random_prob is not None:
-                branch = rng.random(len(state)) < branching.random_prob[state]
-                k = branching.random_k
-            else:
-                branch, k = np.zeros(len(state), bool), 0
-            branch &= depth < branching.max_depth
-            idx = np.flatnonzero(branch)
-            if idx.size:
-                nodes = num_nodes + np.arange(idx.size)
-                num_nodes += idx.size
-                ended_seg.append(segment[idx])
-                ended_node.append(nodes)
-                node_t.append(np.full(idx.size, t))
-                seg_parent.append(np.repeat(nodes, k))
-                new_segments = num_segments + np.arange(idx.size * k)
-                num_segments += idx.size * k
-                keep = ~branch
-                forest = np.concatenate([forest[keep], np.repeat(forest[idx], k)])
-                state = np.concatenate([state[keep], np.repeat(state[idx], k)])
-                depth = np.concatenate([depth[keep], np.repeat(depth[idx] + 1, k)])
-                segment = np.concatenate([segment[keep], new_segments])
-        action = _draw_actions(cdf, state, rng)
-        steps.append((forest, state, action, segment))
-        state = mdp.child(state, action)
-    step_forest, step_state, step_action, step_segment = (np.concatenate(x) for x in zip(*steps))
-    seg_child = np.full(num_segments, -1, np.int64)
-    if ended_seg:
-        seg_child[np.concatenate(ended_seg)] = np.concatenate(ended_node)
-    step_reward = mdp.rewards[step_state, step_action]
-    seg_reward = np.bincount(step_segment, step_reward, minlength=num_segments)
+    """Draws `num_forests` independent BPO forests (`tabular_trees.sample_trees`)."""
+    trees = sample_trees(
+        mdp,
+        logits,
+        num_forests,
+        root_k=branching.root_k,
+        branch_at=() if branching.fixed_t is None else (branching.fixed_t,),
+        k=branching.fixed_k,
+        coin=branching.random_prob,
+        coin_k=branching.random_k,
+        max_depth=branching.max_depth,
+        seed=seed,
+    )
     return Sample(
         num_forests,
-        num_nodes,
-        np.concatenate(seg_parent),
-        seg_child,
-        seg_reward,
-        np.concatenate(node_t),
-        step_forest,
-        step_state,
-        step_action,
-        step_segment,
+        trees.num_nodes,
+        trees.seg_parent,
+        trees.seg_child,
+        trees.seg_reward,
+        trees.node_t,
+        trees.step_task,
+        trees.step_state,
+        trees.step_action,
+        trees.step_segment,
     )
 
 

@@ -34,9 +34,18 @@ The modules, one role each:
 - `registry`: the `Forest` pytree, the estimator registry and `step_advantages`.
 - `step_level`: the TreeRL and GiGPO estimators.
 - `gae`: PPO's turn-level GAE (needs the critic's values).
+- `decomposition`: f, the share of the return variance a branch point's history explains, and
+  the per-decision advantage moments of the sibling and trajectory baselines, per branch point
+  (`branch_stats`, `task_depth_parts`).
 - `validation`: host-side checks (`validate_forest`).
 """
 
+from bpo_jax.estimators.decomposition import (
+    PART_SUMS,
+    BranchStats,
+    branch_stats,
+    task_depth_parts,
+)
 from bpo_jax.estimators.gae import gae, gae_advantages  # registers "gae"
 from bpo_jax.estimators.kernels import (
     DEFAULT_EPS,
@@ -64,8 +73,11 @@ __all__ = [
     "DEFAULT_EPS",
     "METHODS",
     "NORMALIZE",
+    "PART_SUMS",
+    "BranchStats",
     "Estimator",
     "Forest",
+    "branch_stats",
     "estimator_names",
     "expand_to_steps",
     "expand_to_tokens",
@@ -77,6 +89,7 @@ __all__ = [
     "register_estimator",
     "segment_weights",
     "step_advantages",
+    "task_depth_parts",
     "trajectory_weights",
     "tree_advantages",
     "treerl",

@@ -130,6 +130,18 @@ def top_down(st: Structure, seg_reward_s) -> TopDown:
     return TopDown(weight_n, root_n, prefix_n)
 
 
+def backbones(st: Structure):
+    """(is_root_n, backbone_n): which node ids no segment enters (the task roots, and unused
+    ids), and for every other node the root-child segment (the backbone) it descends from
+    (-1 for roots)."""
+    in_count_n = jax.ops.segment_sum(st.inner_s.astype(jnp.int32), st.child_s, st.num_nodes)
+    is_root_n = in_count_n == 0
+    seg_id_s = jnp.arange(st.valid_s.shape[0], dtype=jnp.float32)
+    # Exactly one segment of a root-to-node path starts at the root: sum its id + 1 down.
+    marker_s = jnp.where(st.valid_s & is_root_n[st.parent_s], seg_id_s + 1.0, 0.0)
+    return is_root_n, top_down(st, marker_s).prefix_n.astype(jnp.int32) - 1
+
+
 def segment_values(st: Structure, seg_reward_s, value_n):
     """V(s) = seg_reward[s] + the value of the node s ends at (0 at a leaf and for padding)."""
     value_s = seg_reward_s + jnp.where(st.inner_s, value_n[st.child_s], 0.0)

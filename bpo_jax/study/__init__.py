@@ -14,6 +14,8 @@ Modules:
   - `stats`: bootstrap CIs, IQM, paired comparisons;
   - `tables`: the command that writes the paper's tables (table1.json, table2.json, results.md),
     with `tables_build` (reading run records into Tables 1 and 2) and `figures` (the PNGs);
+  - `table2a`: the paper's per-decision variance claim (sibling against trajectory baseline,
+    f per branch depth) measured on recorded trees, with bootstrap CIs over tasks;
   - `probe`: the gradient variance of each estimator at matched spend (its flow and command),
     with `probe_sample` (playing the batches, each task's gradient, `ProbeStore`) and
     `probe_stats` (trace variance, ratios, CIs, the report).

@@ -10,7 +10,9 @@
 
 from envs.tabular.env import TabularEnv, TabularTask, load_tasks, mdp_tasks, parse_action
 from envs.tabular.exact import (
+    BranchMoments,
     Trajectories,
+    branch_moments,
     enumerate_trajectories,
     objective,
     objective_grad,
@@ -33,10 +35,12 @@ from envs.tabular.mdp import (
 
 __all__ = [
     "INSTANCES",
+    "BranchMoments",
     "TabularEnv",
     "TabularTask",
     "Trajectories",
     "TreeMDP",
+    "branch_moments",
     "enumerate_trajectories",
     "first_action_decides_mdp",
     "generic_mdp",

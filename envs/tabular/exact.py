@@ -4,8 +4,9 @@ The policy is a softmax over a logits table `logits[s, a]` (one row per decision
 quantity here is exact: the trajectory enumeration (A**H of them), the objective
 `J = sum_tau p(tau) R(tau)`, its gradient
 `dJ/dlogits = sum_tau p(tau) R(tau) sum_t grad log pi(a_t | s_t)`, with
-`d log pi(a|s) / d logits[s, b] = 1[a == b] - pi(b|s)`, and the conditional mean and variance of
-the return given any state. Tests check estimators and rollout engines against them.
+`d log pi(a|s) / d logits[s, b] = 1[a == b] - pi(b|s)`, the conditional mean and variance of
+the return given any state, and the parts of `f = Var(E[R | h]) / Var(R)` at a branch step
+(`branch_moments`). Tests check estimators and rollout engines against them.
 
 MDPs with early terminal states (`TreeMDP.stops`) have episodes of different lengths L; for
 them `length_normalized_grad` is the expected update of a group estimator whose steps are
@@ -22,7 +23,9 @@ import numpy as np
 from envs.tabular.mdp import TreeMDP
 
 __all__ = [
+    "BranchMoments",
     "Trajectories",
+    "branch_moments",
     "enumerate_trajectories",
     "expectation_grad",
     "expected_tree_gradient",
@@ -191,6 +194,57 @@ def reward_to_go_moments(mdp: TreeMDP, logits) -> tuple[np.ndarray, np.ndarray]:
         m2[s] = pi[s] @ (r**2 + 2 * r * m1[kids] + m2[kids])
     mean = m1[: mdp.num_states]
     return mean, np.maximum(m2[: mdp.num_states] - mean**2, 0.0)
+
+
+class BranchMoments(NamedTuple):
+    """The exact parts of f at a set of branch points (`branch_moments`).
+
+    Attributes:
+        between: `E_D[(E[R | h] - J)^2]`, D the law of the history h at the branch points.
+        within: `E_D[Var(R | h)]`.
+        var_return: `Var(R)` of an episode from the initial state.
+        mean_return: `J = E[R]`.
+    """
+
+    between: float
+    within: float
+    var_return: float
+    mean_return: float
+
+    @property
+    def f(self) -> float:
+        """The explained share `between / var_return`."""
+        return self.between / self.var_return
+
+
+def branch_moments(mdp: TreeMDP, logits, depth: int, weights=None) -> BranchMoments:
+    """Exact parts of f for branch points at step `depth` (1 .. H - 1).
+
+    D is the law of the on-policy history at that step among the episodes still running (a
+    stopped episode has no branch point), reweighted by `weights[s]` when given (a branch rule
+    that fires with probability weights[s] in state s). With every episode running to the
+    horizon and no weights, `between = Var(E[R | h_depth])` and `between + within = Var(R)`;
+    otherwise the two need not add up to Var(R).
+
+    Args:
+        mdp, logits: the MDP and the softmax policy's logits.
+        depth: the step the branch points come before.
+        weights: None, or float[num_states] >= 0, the chance of branching in each state.
+
+    Raises:
+        ValueError: no running history at that step (or all weights 0 there).
+    """
+    mean, var = reward_to_go_moments(mdp, logits)
+    visit = state_visit_probs(mdp, logits)
+    live = (mdp.depth[: mdp.num_states] == depth) & ~mdp.stops & (visit > 0)
+    p = visit * (1.0 if weights is None else np.asarray(weights, np.float64))
+    states = np.flatnonzero(live & (p > 0))
+    if not 1 <= depth < mdp.horizon or states.size == 0:
+        raise ValueError(f"no running history of {mdp.name} to branch at step {depth}")
+    p = p[states] / p[states].sum()
+    q = prefix_rewards(mdp)[states] + mean[states]
+    j = float(mean[0])
+    return BranchMoments(float(p @ (q - j) ** 2), float(p @ var[states]), float(var[0]), j)
 
 
 def expected_tree_gradient(

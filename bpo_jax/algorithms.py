@@ -157,3 +157,21 @@ register_algorithm(
         summary="V(s) - V(root) plus V(s) - V(parent), scaled by 1/sqrt(leaves below)",
     )
 )
+register_algorithm(
+    Algorithm(
+        "bpo_traj",
+        "tree",
+        "bpo_traj",
+        summary="BPO's tree, each segment against the task's other backbones (return from start)",
+    )
+)
+register_algorithm(
+    Algorithm(
+        "bpo_shrink",
+        "tree",
+        "bpo_shrink",
+        # lam stays the estimator's default (estimators.DEFAULT_SHRINK) until a run feeds it
+        # from earlier batches' measured f (estimators.lambda_from_parts).
+        summary="lam * bpo + (1 - lam) * bpo_traj advantages (lam from earlier batches' f)",
+    )
+)

@@ -374,8 +374,17 @@ def test_forest_validate_checks_steps():
 
 
 def test_registry():
-    assert est.estimator_names() == ["bpo", "gae", "gigpo", "grpo", "rloo", "treerl"]
-    with pytest.raises(ValueError, match=r"unknown estimator 'ppo'; known: \['bpo', 'gae'"):
+    assert est.estimator_names() == [
+        "bpo",
+        "bpo_shrink",
+        "bpo_traj",
+        "gae",
+        "gigpo",
+        "grpo",
+        "rloo",
+        "treerl",
+    ]
+    with pytest.raises(ValueError, match=r"unknown estimator 'ppo'; known: \['bpo', 'bpo_shrink'"):
         est.get_estimator("ppo")
     with pytest.raises(ValueError, match="already registered"):
         est.register_estimator("bpo")(lambda forest: None)

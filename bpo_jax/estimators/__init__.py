@@ -34,12 +34,22 @@ The modules, one role each:
 - `registry`: the `Forest` pytree, the estimator registry and `step_advantages`.
 - `step_level`: the TreeRL and GiGPO estimators.
 - `gae`: PPO's turn-level GAE (needs the critic's values).
+- `baselines`: BPO's tree with the task's other backbones as baseline (`bpo_traj`), or a mix of
+  them and the siblings (`bpo_shrink`, `shrink_lambda`).
 - `decomposition`: f, the share of the return variance a branch point's history explains, and
   the per-decision advantage moments of the sibling and trajectory baselines, per branch point
   (`branch_stats`, `task_depth_parts`).
 - `validation`: host-side checks (`validate_forest`).
 """
 
+from bpo_jax.estimators.baselines import (  # registers "bpo_traj", "bpo_shrink"
+    DEFAULT_SHRINK,
+    bpo_shrink,
+    bpo_traj,
+    lambda_from_parts,
+    shrink_lambda,
+    shrunk_advantages,
+)
 from bpo_jax.estimators.decomposition import (
     PART_SUMS,
     BranchStats,
@@ -71,12 +81,15 @@ from bpo_jax.estimators.validation import validate_forest
 
 __all__ = [
     "DEFAULT_EPS",
+    "DEFAULT_SHRINK",
     "METHODS",
     "NORMALIZE",
     "PART_SUMS",
     "BranchStats",
     "Estimator",
     "Forest",
+    "bpo_shrink",
+    "bpo_traj",
     "branch_stats",
     "estimator_names",
     "expand_to_steps",
@@ -85,9 +98,12 @@ __all__ = [
     "gae_advantages",
     "get_estimator",
     "gigpo",
+    "lambda_from_parts",
     "path_lengths",
     "register_estimator",
     "segment_weights",
+    "shrink_lambda",
+    "shrunk_advantages",
     "step_advantages",
     "task_depth_parts",
     "trajectory_weights",

@@ -253,6 +253,7 @@ def expected_tree_gradient(
     branch_depth: int,
     num_branches: int,
     weighting: str = "trajectory",
+    shrink: float = 1.0,
 ) -> np.ndarray:
     """The exact expected update of a BPO forest that branches at every step 1 .. D.
 
@@ -271,6 +272,11 @@ def expected_tree_gradient(
     so the expected update depends on K and D. It equals `length_normalized_grad` (the RLOO
     target) when D = 0, and `dJ / H` when every episode lasts H steps; when lengths vary it is
     neither, nor a gradient of one fixed objective for every tree shape.
+
+    `shrink` (lam) is the baseline of `bpo_shrink`: lam times the siblings' mean plus 1 - lam
+    times the other backbones' mean less the prefix reward (lam = 1: `bpo`; 0: `bpo_traj`). Given
+    the node's history n, its mean is `lam mu(n) + (1 - lam)(J - prefix(n))` in place of
+    mu(n), and it is independent of the steps' weights; with path masses every lam gives dJ.
 
     Returns:
         float64[num_states, A].
@@ -314,6 +320,8 @@ def expected_tree_gradient(
 
     visit = state_visit_probs(mdp, logits)
     prefix = np.concatenate([prefix_rewards(mdp), np.zeros(mdp.num_leaves)])
+    # The baseline's mean at each node, as a reward to go (at the root both terms are J).
+    base = shrink * mu + (1.0 - shrink) * (mu[0] - prefix)
     grad = np.zeros_like(pi)
     # The node each decision state's step hangs from: itself where it is a branch point or
     # the root (one-step segments), else the chain's start at depth D (or the root if D = 0).
@@ -322,13 +330,13 @@ def expected_tree_gradient(
             continue
         kids, r, p = mdp.child(s, a_idx), mdp.rewards[s], pi[s]
         if depth[s] <= branch_depth and (depth[s] >= 1 or branch_depth >= 1):
-            # One-step segment from node s: its value r + Y(s'), its baseline mean mu(s).
-            z = r * ex[kids] + exy[kids] - mu[s] * ex[kids]
+            # One-step segment from node s: its value r + Y(s'), its baseline mean base(s).
+            z = r * ex[kids] + exy[kids] - base[s] * ex[kids]
         else:
             start = s
             while depth[start] > branch_depth:
                 start = (start - 1) // mdp.num_actions
             to_here = prefix[s] - prefix[start]
-            z = (to_here + r - mu[start]) * ex_c[kids] + exy_c[kids]
+            z = (to_here + r - base[start]) * ex_c[kids] + exy_c[kids]
         grad[s] = visit[s] * (p * z - p * (p @ z))
     return grad

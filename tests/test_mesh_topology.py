@@ -104,7 +104,6 @@ _CPU_SCRIPT = textwrap.dedent(
     jax.config.update("jax_num_cpu_devices", 8)
     import numpy as np
     from bpo_jax.models import sharding
-from libtpu_fixtures import require_libtpu
 
     out = {}
     for shape in [(2, 2, 2), (1, -1, 2), (8, 1, 1)]:

@@ -1,24 +1,29 @@
 """What every experiment file shares: its `:arg` variants and the config sections but `env`.
 
-An experiment file (experiments/*.py, loaded by path by ml_collections' config_flags) calls
-`parse_variants(arg)`, then `base_config(variants, ...)`, then sets `c.env` and overrides, with
-a comment saying why, the fields its environment needs differently. Only ml_collections
-(and the rules table of `bpo_jax.models.axes`, which imports nothing) is imported here, so that
-loading a config stays fast and needs no accelerator.
+An experiment file (experiments/*.py, loaded by path by the `--config` flag of
+`define_config_flag`) calls `parse_variants(arg)`, then `base_config(variants, ...)`, then sets
+`c.env` and overrides, with a comment saying why, the fields its environment needs differently.
+Only ml_collections and absl's flags (and the rules table of `bpo_jax.models.axes`, which
+imports nothing) are imported here, so that loading a config stays fast and needs no
+accelerator.
 """
 
 from __future__ import annotations
 
+import difflib
 import importlib.util
 from collections.abc import Sequence
 from pathlib import Path
 from types import ModuleType
 
 import ml_collections
+from absl import flags
+from ml_collections import config_flags
 
 from bpo_jax.models import axes
 
 VARIANTS = ("cpu", "algo", "model")
+EXPERIMENTS_DIR = Path(__file__).resolve().parents[1] / "experiments"
 
 
 def parse_variants(arg: str | None, known: Sequence[str] = VARIANTS) -> dict[str, str]:
@@ -277,3 +282,82 @@ def load_experiment(path: str | Path) -> ModuleType:
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+class _ExperimentFileParser(flags.ArgumentParser):
+    """The parser of `--config=PATH[:ARG]` in place of config_flags' own: PATH is imported by
+    `load_experiment` (ml_collections 1.1 imports it by the deprecated
+    `SourceFileLoader.load_module`, a DeprecationWarning each time), and a missing file fails at
+    once, naming it (config_flags defers that error to the config's first use, where it shows
+    as two chained tracebacks)."""
+
+    def __init__(self, lock_config: bool = True):
+        self._lock_config = lock_config
+        self.loaded = None  # The last config loaded, before any override.
+
+    def flag_type(self) -> str:
+        return "config object"
+
+    def parse(self, path):
+        file, sep, arg = path.partition(":")
+        if not Path(file).is_file():
+            known = ", ".join(f"experiments/{p.name}" for p in sorted(EXPERIMENTS_DIR.glob("*.py")))
+            raise ValueError(f"no experiment file {file!r} here ({Path.cwd()}); known: {known}")
+        config = load_experiment(file).get_config(*([arg] if sep else []))
+        self.loaded = config
+        if self._lock_config:
+            config.lock()
+        return config
+
+
+def define_config_flag(
+    flag_values: flags.FlagValues = flags.FLAGS,
+    *,
+    name: str = "config",
+    help_string: str = "Experiment config file, PATH[:variants].",
+    sys_argv: Sequence[str] | None = None,
+) -> flags.FlagHolder:
+    """`--config=experiments/x.py[:variants]` with `--config.section.field=value` overrides.
+
+    config_flags' `DEFINE_config_file` (locked: an override of a field the experiment does not
+    have fails), whose file is imported by `load_experiment`.
+
+    Args:
+      flag_values: the FlagValues to define it in.
+      name: the flag's name.
+      help_string: its help.
+      sys_argv: the command line its overrides are read from (default: `sys.argv` at parse).
+
+    Returns:
+      The flag's holder; `flag_values[name].value` is the ConfigDict once parsed.
+    """
+    holder = config_flags.DEFINE_config_file(
+        name, None, help_string, flag_values=flag_values, lock_config=True, sys_argv=sys_argv
+    )
+    flag_values[name].parser = _ExperimentFileParser(lock_config=True)
+    return holder
+
+
+def unknown_field(flag_values: flags.FlagValues, argv: Sequence[str], name: str = "config"):
+    """The first `--config.a.b=...` in `argv` naming a field the loaded config lacks, as one
+    line (with the closest fields), or None; for the message of a failed override."""
+    parser = flag_values[name].parser
+    config = getattr(parser, "loaded", None)
+    if config is None:
+        return None
+    prefix = f"--{name}."
+    for item in argv:
+        if not item.startswith(prefix):
+            continue
+        path = item[len(prefix) :].partition("=")[0]
+        node, where = config, name
+        for key in path.split("."):
+            if not isinstance(node, ml_collections.ConfigDict):
+                return f"{item}: {where} is not a section (it has no field {key!r})"
+            if key not in node:
+                close = difflib.get_close_matches(key, list(node.keys()), n=3)
+                hint = f"did you mean {' or '.join(map(repr, close))}?" if close else ""
+                hint = hint or f"its fields: {', '.join(sorted(node.keys()))}"
+                return f"{item}: {where} has no field {key!r}; {hint}"
+            node, where = node[key], f"{where}.{key}"
+    return None

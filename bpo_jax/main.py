@@ -6,20 +6,27 @@ is initialised from the TPU environment when `--multihost` is set (see launch_tp
 (CPUs, clusters without auto-detection) name the coordinator and this process:
 
   python -m bpo_jax.main ... --coordinator_address=10.0.0.1:1234 --num_processes=2 --process_id=0
+
+A mistake in the flags or the config (a bad value, an unknown field, no such experiment file)
+ends in one line naming it and exit status 2 (`bpo_jax.cli`; BPO_TRACEBACK=1 shows the
+traceback). On a machine without TPUs JAX starts without probing for them
+(`bpo_jax.parallel.platforms`), so libtpu, when installed, prints nothing.
 """
 
 import logging
 
 import jax
-from absl import app, flags
+from absl import flags
 from absl import logging as absl_logging
-from ml_collections import config_flags
 
-from bpo_jax import train
-from bpo_jax.parallel import distributed
+from bpo_jax import cli, train
+from bpo_jax.config import validate
+from bpo_jax.experiment import define_config_flag, unknown_field
+from bpo_jax.parallel import distributed, platforms
 
 FLAGS = flags.FLAGS
-config_flags.DEFINE_config_file("config", None, "Experiment config file.", lock_config=True)
+PROG = "python -m bpo_jax.main"
+define_config_flag()
 flags.DEFINE_string("workdir", None, "Directory for checkpoints, metrics and the summary.")
 flags.DEFINE_bool(
     "multihost", False, "Start JAX's distributed runtime, detecting the cluster (TPU VM slices)."
@@ -34,7 +41,10 @@ flags.mark_flags_as_required(["config", "workdir"])
 
 def main(argv):
     if len(argv) > 1:
-        raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
+        cli.fail(f"unexpected arguments {argv[1:]}; flags are --name=value", PROG)
+    with cli.start_up_errors(PROG):
+        validate(FLAGS.config)  # train_and_evaluate validates it again: cheap, and no I/O.
+    platforms.quiet_start()  # Before anything touches a device.
     distributed.initialize(
         FLAGS.coordinator_address, FLAGS.num_processes, FLAGS.process_id, auto=FLAGS.multihost
     )
@@ -68,4 +78,4 @@ def _fmt(x):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    cli.run(main, PROG, explain=unknown_field)

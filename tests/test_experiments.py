@@ -7,10 +7,9 @@ import numpy as np
 import pytest
 from absl import flags
 from helpers import SMALL_RUN, set_fields
-from ml_collections import config_flags
 
 from bpo_jax.config import ALGOS, validate
-from bpo_jax.experiment import load_experiment, parse_variants
+from bpo_jax.experiment import define_config_flag, load_experiment, parse_variants
 
 ROOT = Path(__file__).resolve().parents[1]
 EXPERIMENTS = sorted((ROOT / "experiments").glob("*.py"))
@@ -28,9 +27,7 @@ def launch_config(path, arg, *overrides):
     """The config `python -m bpo_jax.main --config=PATH:ARG OVERRIDES...` runs with."""
     argv = ["main", f"--config={path}:{arg}", *overrides]
     flag_values = flags.FlagValues()
-    config_flags.DEFINE_config_file(
-        "config", flag_values=flag_values, lock_config=True, sys_argv=argv
-    )
+    define_config_flag(flag_values, sys_argv=argv)
     flag_values(argv)
     return flag_values.config
 

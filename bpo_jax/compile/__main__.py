@@ -1,8 +1,8 @@
-"""`python -m bpo_jax.compile`: the compile-only tool's command line (`cli.main`)."""
+"""`python -m bpo_jax.compile`: the compile-only tool's command line (`cli.command_line`)."""
 
 import sys
 
-from bpo_jax.compile.cli import main
+from bpo_jax.compile.cli import command_line
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(command_line())

@@ -4,5 +4,6 @@ What every layer that touches devices uses to place arrays and agree across host
 
 May import: models.
 
-Modules: `distributed` (start-up, shares, `global_batch`, `to_local`, `allgather_objects`).
+Modules: `distributed` (start-up, shares, `global_batch`, `to_local`, `allgather_objects`),
+`platforms` (which JAX platforms a command starts: no TPU discovery without TPUs).
 """

@@ -51,11 +51,12 @@ import json
 import jax
 import numpy as np
 
-from bpo_jax import learner
+from bpo_jax import cli, learner
 from bpo_jax.algorithms import ALGORITHMS
 from bpo_jax.builders import make_agent, make_critic
-from bpo_jax.config import ExperimentConfig
+from bpo_jax.config import ExperimentConfig, validate
 from bpo_jax.io import files
+from bpo_jax.parallel import platforms
 from bpo_jax.study.probe_sample import (
     BatchSampler,
     ModelGradients,
@@ -169,22 +170,54 @@ def _width(params) -> int:
     raise ValueError("Cannot find the embedding to size the value head.")
 
 
+PROG = "python -m bpo_jax.study.probe"
+
+
+def check_arguments(config, workdir: str, algos: str, batches: int):
+    """The command line's mistakes, before any model is built: a config field, an unknown
+    algorithm, too few batches, a --workdir (or the run `init_from` names) without the trained
+    policy it reads. Returns the validated config and the algorithms.
+
+    Raises:
+      ValueError: naming the flag or field and its value.
+    """
+    cfg = validate(config)
+    names = [a.strip() for a in algos.split(",") if a.strip()]
+    unknown = sorted(set(names) - set(ALGORITHMS))
+    if not names or unknown:
+        raise ValueError(
+            f"--algos={algos}: name algorithms of {sorted(ALGORITHMS)}, comma-separated (the "
+            f"first is the reference){f'; unknown: {unknown}' if unknown else ''}."
+        )
+    if batches < 2:
+        raise ValueError(f"--batches must be >= 2 for a variance, got {batches}.")
+    source = files.as_path(workdir)
+    if not (source / "checkpoints").is_dir() and cfg.init_from:
+        source = files.as_path(cfg.init_from)
+    if not (source / "checkpoints").is_dir():
+        raise ValueError(
+            f"--workdir={workdir}: no checkpoints/ in {source}; the probe reads a trained run's "
+            "policy (train first, or set config.init_from to a run that has one)."
+        )
+    return cfg, names
+
+
 def main(argv):
     from absl import flags
     from absl import logging as absl_logging
     from flax import nnx
 
     from bpo_jax import builders
-    from bpo_jax.config import validate
     from bpo_jax.io.checkpoint import Checkpointer
     from bpo_jax.models import sharding
     from bpo_jax.run_state import initial_state
 
-    absl_logging.set_verbosity(absl_logging.WARNING)  # Orbax logs every checkpoint operation.
     f = flags.FLAGS
-    cfg = validate(f.config)
+    with cli.start_up_errors(PROG):
+        cfg, algos = check_arguments(f.config, f.workdir, f.algos, f.batches)
+    platforms.quiet_start()  # Before anything touches a device.
+    absl_logging.set_verbosity(absl_logging.WARNING)  # Orbax logs every checkpoint operation.
     workdir = files.as_path(f.workdir)
-    algos = [a.strip() for a in f.algos.split(",") if a.strip()]
     train_tasks, _ = builders.select_tasks(cfg)
     tasks = train_tasks[: cfg.train.tasks_per_iter]
     mesh = sharding.make_mesh(cfg.mesh.axes, dcn_data=cfg.mesh.dcn_data)
@@ -247,10 +280,11 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    from absl import app, flags
-    from ml_collections import config_flags
+    from absl import flags
 
-    config_flags.DEFINE_config_file("config", None, "Experiment config file.", lock_config=True)
+    from bpo_jax.experiment import define_config_flag, unknown_field
+
+    define_config_flag()
     flags.DEFINE_string("workdir", None, "A trained run's directory (its checkpoint is read).")
     flags.DEFINE_string(
         "algos", "rloo,bpo", "Comma-separated algorithms; the first is the reference."
@@ -259,4 +293,4 @@ if __name__ == "__main__":
     flags.DEFINE_integer("warmup_batches", 2, "Unrecorded batches of a tree algorithm first.")
     flags.DEFINE_integer("sketch_dim", 2**15, "Coordinates of each gradient's count sketch.")
     flags.mark_flags_as_required(["config", "workdir"])
-    app.run(main)
+    cli.run(main, PROG, explain=unknown_field)

@@ -67,8 +67,9 @@ import signal
 import sys
 from pathlib import Path
 
-from absl import app, flags
+from absl import flags
 
+from bpo_jax import cli
 from bpo_jax.study.sweep_commit import record_difference
 from bpo_jax.study.sweep_plan import (
     BC_GROUP,
@@ -158,11 +159,31 @@ def define_flags() -> None:
     )
 
 
+PROG = "python -m bpo_jax.study.sweep"
+
+
+def check_arguments(sweep: str | None, workdir: str | None, parallel: int) -> None:
+    """The command line's mistakes, before any run starts: a missing flag or sweep file, a
+    sweep file without `get_sweep`, a run whose config or overrides do not parse.
+
+    Raises:
+      ValueError: naming the flag, the file or the run.
+    """
+    if sweep is None or workdir is None:
+        raise ValueError("--sweep and --workdir are required.")
+    if parallel < 1:
+        raise ValueError(f"--parallel must be >= 1, got {parallel}.")
+    if not Path(sweep).is_file():
+        raise ValueError(f"--sweep={sweep}: no such file (a sweep file defines get_sweep()).")
+    for run in expand(load_sweep(sweep)):
+        resolve_config(run)
+
+
 def main(argv):
     if len(argv) > 1:
-        raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
-    if FLAGS.sweep is None or FLAGS.workdir is None:
-        raise app.UsageError("--sweep and --workdir are required.")
+        cli.fail(f"unexpected arguments {argv[1:]}; flags are --name=value", PROG)
+    with cli.start_up_errors(PROG):
+        check_arguments(FLAGS.sweep, FLAGS.workdir, FLAGS.parallel)
 
     def on_term(signum, frame):
         raise KeyboardInterrupt
@@ -191,4 +212,4 @@ if __name__ == "__main__":
     from bpo_jax.study import sweep as _sweep
 
     _sweep.define_flags()
-    app.run(_sweep.main)
+    cli.run(_sweep.main, PROG)

@@ -15,7 +15,7 @@ from typing import Any
 
 from absl import flags
 
-from bpo_jax.experiment import load_experiment
+from bpo_jax.experiment import define_config_flag, load_experiment, unknown_field
 
 
 @dataclasses.dataclass(frozen=True)
@@ -239,13 +239,18 @@ def load_sweep(path: str | Path) -> Sweep:
 
 
 def resolve_config(run: Run):
-    """The run's ConfigDict, parsed exactly as the main job parses its flags."""
-    from ml_collections import config_flags
+    """The run's ConfigDict, parsed exactly as the main job parses its flags.
 
+    Raises:
+      ValueError: naming the run and what in its config or overrides the parse refused (a
+        field the experiment does not have, a value of the wrong type, a bad variant).
+    """
     argv = ["sweep", f"--config={run.config}", *run.overrides]
     fv = flags.FlagValues()
-    config_flags.DEFINE_config_file(
-        "config", None, "", flag_values=fv, lock_config=True, sys_argv=argv
-    )
-    fv(argv)
+    define_config_flag(fv, sys_argv=argv)
+    try:
+        fv(argv)
+    except (flags.Error, KeyError, AttributeError, ValueError, TypeError) as e:
+        why = unknown_field(fv, argv) or " ".join(str(e.args[0] if e.args else e).split())
+        raise ValueError(f"sweep run {run.name}: {why}") from e
     return fv.config

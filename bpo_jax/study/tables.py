@@ -55,8 +55,9 @@ import json
 from collections.abc import Sequence
 from pathlib import Path
 
-from absl import app, flags
+from absl import flags
 
+from bpo_jax import cli
 from bpo_jax.study import stats
 from bpo_jax.study.records import find_probes, find_runs
 from bpo_jax.study.tables_build import build_table1, build_table2, success_curve
@@ -254,11 +255,34 @@ def define_flags() -> None:
     flags.DEFINE_list("splits", None, "Evaluation splits to pool (default: all that runs share).")
 
 
+PROG = "python -m bpo_jax.study.tables"
+
+
+def check_arguments(runs_dir: str | None, out: str | None, baseline: str, reference: str) -> None:
+    """The command line's mistakes, before any table is built: a missing flag, a --runs folder
+    that does not exist or holds no run record, a --baseline or --reference no run has.
+
+    Raises:
+      ValueError: naming the flag and what it holds.
+    """
+    if runs_dir is None or out is None:
+        raise ValueError("--runs and --out are required.")
+    if not Path(runs_dir).is_dir():
+        raise ValueError(f"--runs={runs_dir}: no such folder.")
+    groups = sorted({r.group for r in find_runs(runs_dir)})  # ValueError when there are none.
+    for flag, name in (("baseline", baseline), ("reference", reference)):
+        if name not in groups:
+            raise ValueError(
+                f"--{flag}={name}: no run of that algorithm (or ablation) under {runs_dir}; "
+                f"the runs' groups: {', '.join(groups)}."
+            )
+
+
 def main(argv):
     if len(argv) > 1:
-        raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
-    if FLAGS.runs is None or FLAGS.out is None:
-        raise app.UsageError("--runs and --out are required.")
+        cli.fail(f"unexpected arguments {argv[1:]}; flags are --name=value", PROG)
+    with cli.start_up_errors(PROG):
+        check_arguments(FLAGS.runs, FLAGS.out, FLAGS.baseline, FLAGS.reference)
     result = write_tables(
         FLAGS.runs,
         FLAGS.out,
@@ -276,4 +300,4 @@ if __name__ == "__main__":
     from bpo_jax.study import tables as _tables
 
     _tables.define_flags()
-    app.run(_tables.main)
+    cli.run(_tables.main, PROG)

@@ -262,17 +262,17 @@ def test_parallel_runs_overlap(setup, tmp_path):
 
 def test_ctrl_c_terminates_children_and_a_rerun_resumes(setup, tmp_path):
     sweep_file, workdir = setup(sleep=1.0), tmp_path / "runs"
-    cmd = [sys.executable, "-m", "bpo_jax.study.sweep", f"--sweep={sweep_file}",
-           f"--workdir={workdir}", "--module=fake_main"]  # fmt: skip
-    # SIGINT back to its default: a shell without job control starts background commands with
-    # it ignored, and Python then installs no KeyboardInterrupt handler.
-    proc = subprocess.Popen(
-        cmd,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    # `python -m bpo_jax.study.sweep`, its KeyboardInterrupt handler installed first: a shell
+    # without job control starts background commands with SIGINT ignored, and Python then
+    # installs none. Set in the child rather than by a preexec_fn, which would make Popen fork
+    # this JAX-threaded process (JAX's os.fork() warning) instead of spawning.
+    sweep_main = (
+        "import runpy, signal; signal.signal(signal.SIGINT, signal.default_int_handler); "
+        "runpy.run_module('bpo_jax.study.sweep', run_name='__main__', alter_sys=True)"
     )
+    cmd = [sys.executable, "-c", sweep_main, f"--sweep={sweep_file}", f"--workdir={workdir}",
+           "--module=fake_main"]  # fmt: skip
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     ckpt = workdir / "bpo_k4/seed_0/ckpt.json"  # The second run, one iteration in.
     deadline = time.time() + 60
     while not ckpt.exists():

@@ -3,7 +3,9 @@
 A reader starts at the top-level modules, the run: `main` (the entry point) -> `train` (set-up,
 behaviour cloning, RL, evaluation) -> `rl` (one RL iteration: rollouts, advantages, update),
 with `config` and `experiment` (the validated settings), `algorithms` (the registry),
-`builders`, `evaluation` and `run_state`; `compile` is the compile-only tool for TPU slices.
+`builders`, `evaluation`, `run_state`, `report` (what a finished run shows: RL's effect with
+its interval, its compute, `curves.png`) and `cli` (the command lines' one-line errors);
+`compile` is the compile-only tool for TPU slices.
 Below them, one package per role; imports run only downward, as each package's docstring says
 (`tests/test_layout.py` checks it):
 

@@ -19,7 +19,7 @@ import jax
 from absl import flags
 from absl import logging as absl_logging
 
-from bpo_jax import cli, train
+from bpo_jax import cli, report, train
 from bpo_jax.config import validate
 from bpo_jax.experiment import define_config_flag, unknown_field
 from bpo_jax.parallel import distributed, platforms
@@ -61,20 +61,8 @@ def main(argv):
         jax.process_count(),
     )
     summary = train.train_and_evaluate(FLAGS.config, FLAGS.workdir)
-    print(
-        "Evaluation success (greedy, {} {} tasks): initial {} | before RL {} | after RL {}".format(
-            summary["eval_tasks"],
-            summary["eval_split"],
-            _fmt(summary["success_initial"]),
-            _fmt(summary["success_before_rl"]),
-            _fmt(summary["success_after_rl"]),
-        ),
-        flush=True,
-    )
-
-
-def _fmt(x):
-    return "n/a" if x is None else f"{x:.3f}"
+    # Success before and after RL with their intervals, RL's effect and compute, the figure.
+    print("\n".join(report.final_lines(summary)), flush=True)
 
 
 if __name__ == "__main__":

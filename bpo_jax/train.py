@@ -10,7 +10,9 @@ returns the new state; every phase resumes from the latest checkpoint in
      off), then `bc.steps` steps of cloning the demos (may be 0);
   3. `reinforcement_learning`: greedy evaluation "before RL", then `train.iterations`
      iterations (`bpo_jax.rl`);
-  4. `final_evaluation`: greedy evaluation "after RL", and `summary.json`.
+  4. `final_evaluation`: greedy evaluation "after RL", and `summary.json` with RL's effect
+     on the evaluation games (a paired interval), its compute, and `curves.png`
+     (`bpo_jax.report`).
 Evaluations are stored in `<workdir>/evals.json` so that a resumed run does not repeat them.
 """
 
@@ -21,6 +23,7 @@ import dataclasses
 import json
 import logging
 import os
+import sys
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -30,7 +33,7 @@ import numpy as np
 from etils import epath
 from flax import nnx
 
-from bpo_jax import learner
+from bpo_jax import learner, report
 from bpo_jax.agent.demos import bc_examples, demos_path, inadmissible_turn_fn, load_or_play
 from bpo_jax.algorithms import get_algorithm
 from bpo_jax.builders import (
@@ -381,6 +384,7 @@ def reinforcement_learning(run: Run, state: RunState) -> RunState:
     """Evaluates before RL, then runs the remaining RL iterations with their checkpoints."""
     cfg, t = run.cfg, run.cfg.train
     run.evaluate("before_rl", "before RL", EVAL_SEEDS["before_rl"], state)
+    bar = progress(t.iterations, desc="RL", unit="iter", initial=state.iteration)
     while state.iteration < t.iterations:
         it = state.iteration
         train, metrics = rl_iteration(
@@ -406,16 +410,35 @@ def reinforcement_learning(run: Run, state: RunState) -> RunState:
             metrics.get("train/grad_norm_mean", float("nan")),
             metrics["train/iteration_seconds"],
         )
-        print(
+        bar.update(1)
+        bar.set_postfix_str(rl_postfix(metrics), refresh=True)
+        bar.write(
             f"iteration {it + 1}/{t.iterations}: rollout success "
             f"{metrics['train/success']:.3f}, mean return {metrics['train/return']:.3f}",
-            flush=True,
+            file=sys.stdout,
         )
+        sys.stdout.flush()  # A log file sees each iteration as it ends.
         if (it + 1) % cfg.checkpoint.every == 0 or it + 1 == t.iterations:
             state.save(run.ckpt)
         if cfg.eval.every and (it + 1) % cfg.eval.every == 0 and it + 1 < t.iterations:
             run.evaluate(f"iter_{it + 1}", f"iter {it + 1}", EVAL_SEEDS["iter"] + it, state)
+    bar.close()
     return state
+
+
+def rl_postfix(metrics: dict) -> str:
+    """The RL bar's postfix from an iteration's metrics: rollout success, spend / budget and
+    branch points (tree algorithms), and where the iteration's time went."""
+    parts = [f"success {metrics['train/success']:.2f}"]
+    if "compute/spend_ratio" in metrics:
+        parts.append(f"spend/budget {metrics['compute/spend_ratio']:.2f}")
+    if metrics.get("train/branch_points"):
+        parts.append(f"branch points {metrics['train/branch_points']}")
+    parts.append(
+        f"rollout {metrics['train/rollout_seconds']:.0f}s, "
+        f"update {metrics['train/update_seconds']:.0f}s"
+    )
+    return " | ".join(parts)
 
 
 def final_evaluation(run: Run, state: RunState) -> dict:
@@ -455,5 +478,7 @@ def train_and_evaluate(config, workdir: str | os.PathLike) -> dict:
         state = reinforcement_learning(run, state)
         summary = final_evaluation(run, state)
     if distributed.is_lead():
+        # RL's effect with its interval, its compute, and curves.png (`bpo_jax.report`).
+        summary.update(report.summarise(cfg, workdir, run.evals.results))
         files.write_text(workdir / "summary.json", json.dumps(summary, indent=2, default=str))
     return summary

@@ -49,8 +49,7 @@ __all__ = ["DOCKER_ROOT", "DockerExecutor", "DockerUnavailableError", "check_doc
 
 DOCKER_ROOT = "/testbed"  # Where the repository is in a SWE-bench image.
 _HERE = os.path.dirname(os.path.abspath(__file__))
-_PLUGIN = os.path.join(_HERE, "pytest_report.py")
-_HARNESS = os.path.join(_HERE, "harness.py")
+_HARNESS = os.path.join(_HERE, "harness.py")  # The grading harness and the report plugin.
 _SLACK_S = 120.0  # Container start and teardown on top of the command's timeout.
 _HOW = (
     "To run SWE-bench instances: on a Linux machine with Docker (`docker info` works for your "
@@ -244,7 +243,7 @@ class DockerExecutor:
             environ["PYTHONPATH"] = env["PYTHONPATH"].replace(JAIL_ROOT, DOCKER_ROOT)
         extra = {}
         if pytest_report:
-            with open(_PLUGIN, "rb") as f:
+            with open(_HARNESS, "rb") as f:
                 extra[f"{container.RUN}/plugin/bpo_swe_report.py"] = f.read()
             environ["PYTHONPATH"] = ":".join(
                 p for p in (f"{container.RUN}/plugin", environ.get("PYTHONPATH", "")) if p

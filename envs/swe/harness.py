@@ -1,4 +1,17 @@
-"""The grading harness: runs pytest in a jail and reports each outcome it saw, signed.
+"""Both ends of a pytest run's report: the grading harness, and the report plugin.
+
+One file, two roles; each ships alone (the jail and the Docker executor copy it in).
+
+- The report plugin (`-p bpo_swe_report`): the jail and the Docker executor put this file on
+  the command's PYTHONPATH as `bpo_swe_report.py` for the agent's `test` runs, the task builder's
+  runs and the official SWE-bench images' grading (Python 3.6 and later: this role keeps to
+  their syntax). It writes one JSON line per test outcome to $BPO_SWE_REPORT (removed from the
+  environment before any test code runs): `{"nodeid", "when", "outcome", "message"}` with `when`
+  one of "collect", "setup", "call", "teardown" and `outcome` one of "passed", "failed",
+  "skipped", "xfailed", "xpassed", flushed as they come, so a run killed by its timeout still
+  reports the tests that finished. `envs.swe.results.summarize` folds them into one outcome per
+  test.
+- The grading harness, run as a program:
 
     python -P -s -B /.bpo_harness/harness.py --report-fd N [--path DIR]... [--agent-file F]...
         -- PYTEST_ARGS
@@ -33,23 +46,66 @@ What this cannot stop: code under test runs in this process and could, deliberat
 key out of this process's memory. See the repository-repair section of the README.
 """
 
+import json
+import os
 import sys
 
-if not sys.flags.safe_path:
-    sys.stderr.write("harness: start it with `python -P` (Python 3.11 or later).\n")
-    sys.exit(2)
+# The report plugin --------------------------------------------------------------------------
 
-import importlib  # noqa: E402
-import json  # noqa: E402
-import os  # noqa: E402
-from _hashlib import hmac_digest  # noqa: E402
+_PATH = os.environ.pop("BPO_SWE_REPORT", None)
+_FILE = None
+
+
+def _write(record):
+    global _FILE
+    if _PATH is None:
+        return
+    if _FILE is None:
+        _FILE = open(_PATH, "a", encoding="utf-8")  # noqa: SIM115 - kept open for the session.
+    _FILE.write(json.dumps(record) + "\n")
+    _FILE.flush()
+
+
+def _message(report):
+    longrepr = getattr(report, "longrepr", None)
+    if longrepr is None:
+        return ""
+    crash = getattr(longrepr, "reprcrash", None)
+    if crash is not None and getattr(crash, "message", None):
+        return str(crash.message)[:2000]
+    if isinstance(longrepr, tuple) and len(longrepr) == 3:  # A skip: (path, line, reason).
+        return str(longrepr[2])[:2000]
+    return str(longrepr)[-2000:]
+
+
+def _collect_failure(report):
+    return {"nodeid": report.nodeid, "when": "collect", "outcome": "failed",
+            "message": _message(report)}  # fmt: skip
+
+
+def pytest_runtest_logreport(report):
+    outcome = report.outcome
+    if hasattr(report, "wasxfail"):
+        outcome = "xfailed" if report.skipped else "xpassed"
+    record = {"nodeid": report.nodeid, "when": report.when, "outcome": outcome}
+    if outcome in ("failed", "skipped"):
+        record["message"] = _message(report)
+    _write(record)
+
+
+def pytest_collectreport(report):
+    if report.failed:
+        _write(_collect_failure(report))
+
+
+# The grading harness ------------------------------------------------------------------------
 
 _TRACKED = ("builtins", "_pytest", "pytest", "pluggy", "__main__", "json", "_json", "hashlib",
             "_hashlib", "hmac", "os", "posix", "io", "_io")  # fmt: skip
 # Names whose rebinding changes no behaviour: `_` (sys.displayhook sets it, in doctests) and
 # module metadata (six's tests, for one, reload modules, which rebinds `builtins.__spec__`).
 _IGNORED = frozenset({"_", "__spec__", "__loader__", "__doc__", "__name__", "__package__"})
-_write = os.write
+_fd_write = os.write
 _encode = json.JSONEncoder(ensure_ascii=True, sort_keys=True).encode
 _MISSING = object()
 
@@ -65,7 +121,7 @@ def _parse(argv):
     return int(options["--report-fd"][0]), options["--path"], options["--agent-file"], argv[i + 1 :]
 
 
-def _make_emit(fd, key):
+def _make_emit(fd, key, hmac_digest):
     count = [0]
 
     def emit(record):
@@ -74,7 +130,7 @@ def _make_emit(fd, key):
         line = hmac_digest(key, text, "sha256").hex().encode() + b" " + text + b"\n"
         count[0] += 1
         while line:
-            line = line[_write(fd, line) :]
+            line = line[_fd_write(fd, line) :]
 
     def emitted():
         return count[0]
@@ -187,29 +243,19 @@ class _Reporter:
 
     def pytest_collectreport(self, report):
         if report.failed:
-            self._emit({"nodeid": report.nodeid, "when": "collect", "outcome": "failed",
-                        "message": _message(report)})  # fmt: skip
-
-
-def _message(report):
-    longrepr = getattr(report, "longrepr", None)
-    if longrepr is None:
-        return ""
-    crash = getattr(longrepr, "reprcrash", None)
-    if crash is not None and getattr(crash, "message", None):
-        return str(crash.message)[:2000]
-    if isinstance(longrepr, tuple) and len(longrepr) == 3:  # A skip: (path, line, reason).
-        return str(longrepr[2])[:2000]
-    return str(longrepr)[-2000:]
+            self._emit(_collect_failure(report))
 
 
 def main(argv):
+    import importlib
+    from _hashlib import hmac_digest
+
     fd, paths, agent_files, pytest_args = _parse(argv)
     key = sys.stdin.buffer.readline().strip()
     null = os.open(os.devnull, os.O_RDONLY)
     os.dup2(null, 0)
     os.close(null)
-    emit, emitted = _make_emit(fd, key)
+    emit, emitted = _make_emit(fd, key, hmac_digest)
     del key
     import pytest
     from _pytest.config import default_plugins
@@ -239,4 +285,7 @@ def main(argv):
 
 
 if __name__ == "__main__":
+    if not sys.flags.safe_path:
+        sys.stderr.write("harness: start it with `python -P` (Python 3.11 or later).\n")
+        sys.exit(2)
     main(sys.argv[1:])

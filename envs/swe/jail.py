@@ -43,9 +43,9 @@ __all__ = [
 
 JAIL_ROOT = "/tmp/testbed"  # Where the tree is inside a jail (the command's working folder).
 _INIT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "jail_init.py")
-_PLUGIN = os.path.join(os.path.dirname(os.path.abspath(__file__)), "pytest_report.py")
-_PLUGIN_NAME = "bpo_swe_report"
+# The report plugin and the grading harness: one file in two roles (see harness.py).
 _HARNESS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "harness.py")
+_PLUGIN_NAME = "bpo_swe_report"
 _HARNESS_IN_ROOT = "/.bpo_harness/harness.py"  # Root-owned in the jail (see jail_init).
 # Unprivileged uids for jails: one drawn at random per command, far above any real account, so
 # that the per-uid process limit (RLIMIT_NPROC) counts that command's processes alone.
@@ -127,7 +127,7 @@ class JailResult:
         changes: Files it created or changed (relative path -> bytes) or deleted (-> None),
             caches (`__pycache__`, `.pytest_cache`) left out. Empty unless asked for.
         ignored: Changed paths not brought back (too large, not a regular file).
-        report: The pytest report lines (see `pytest_report.py`), or None.
+        report: The pytest report lines (see `harness.py`, the report plugin), or None.
         cgroups: Controllers ("memory", "pids") whose per-jail cgroup capped the command's
             processes together; empty where no writable cgroup v1 hierarchy exists (then only
             the per-process rlimits apply).
@@ -245,7 +245,7 @@ def run_in_jail(
     environ = _environment(python, env)
     request = _request(base, files, argv, limits, environ, cwd, capture, python, read_only)
     if pytest_report:
-        with open(_PLUGIN) as f:
+        with open(_HARNESS) as f:
             request["plugin"] = (f"{_PLUGIN_NAME}.py", f.read())
         environ["BPO_SWE_REPORT"] = "/tmp/.report/report.jsonl"
         environ["PYTHONPATH"] = ":".join(

@@ -48,6 +48,7 @@ from bpo_jax.rollout.branching import (
     ENTROPY_REDUCE,
     SELECTORS,
 )
+from bpo_jax.rollout.design import TREES
 from bpo_jax.rollout.forest import STEP_WEIGHTINGS
 
 # The algorithm registry under its old name (algorithm name -> `Algorithm`).
@@ -271,6 +272,10 @@ class RolloutSpec(Spec):
     branch_schedule: str = one_of(lambda: BRANCH_SCHEDULES)  # threshold | spread (planner.py).
     entropy_per_step: bool  # selector=entropy: the quantile of entropies at the same step t.
     overlap_cohorts: int = at_least(1)  # Task groups whose sampling and env steps overlap.
+    # fixed | auto: each batch's shape chosen from earlier batches (bpo_jax/rollout/design.py).
+    tree: str = check(lambda v: v in TREES, f"must be one of {TREES}", default="fixed")
+    # tree=auto: the fixed tree (the prior) every this many batches, to measure f (0: first only).
+    auto_explore: int = check(lambda v: v >= 0, "must be >= 0", default=4)
 
     def _check_fields(self):
         ranked = ("entropy", "uniform", "action_samples")  # Rules with `BranchSelector.ranks`.

@@ -252,6 +252,12 @@ def base_config(
     # whichever of sampling and env steps is the shorter; more cohorts make each sampling call
     # smaller (less batching on the accelerator) for little more overlap.
     c.rollout.overlap_cohorts = 2
+    # fixed: the tree above | auto: each batch's shape (K0, K, the steps it branches at) is the
+    # one the first-order variance model predicts least noisy at the budget, from earlier
+    # batches' measurements only (bpo_jax/rollout/design.py); the tree above is its prior,
+    # played first and every `auto_explore` batches (0: first only) to keep measuring f.
+    c.rollout.tree = "fixed"
+    c.rollout.auto_explore = 4
 
     # Evaluation: greedy episodes before RL (after BC) and at the end.
     c.eval = ml_collections.ConfigDict()

@@ -29,6 +29,8 @@ from bpo_jax.learner import Example
 from bpo_jax.multihost import shares
 from bpo_jax.parallel import distributed
 from bpo_jax.rollout.branching import CostModel, LengthModel, Measurements, make_selector, measure
+from bpo_jax.rollout.design import Choice, Design
+from bpo_jax.rollout.design_stats import TreeChooser
 from bpo_jax.rollout.engine import TreeSpec, play_forest
 from bpo_jax.rollout.forest import ForestArrays, RolloutForest
 from bpo_jax.rollout.timing import CompileClock, env_floor_metrics
@@ -48,12 +50,15 @@ def forest_examples(forest: RolloutForest, adv: np.ndarray, weights: np.ndarray)
 @dataclasses.dataclass
 class RolloutState:
     """What the rollouts carry from one iteration to the next: the branch rule's running
-    statistics and the measured episode lengths and tokens per action (for budgets)."""
+    statistics, the measured episode lengths and tokens per action (for budgets), and with
+    `rollout.tree=auto` what earlier batches measured for the choice of the tree's shape."""
 
     selector: object
     lengths: LengthModel
     costs: CostModel
     branch_scale: float = 1.0  # `spread` schedule's rate multiplier (adapted like a rate).
+    chooser: TreeChooser | None = None  # rollout.tree=auto (`design_stats.TreeChooser`).
+    choice: Choice | None = None  # The last batch's chosen design (None: the configured tree).
 
     @classmethod
     def create(cls, cfg: ExperimentConfig) -> RolloutState:
@@ -69,7 +74,15 @@ class RolloutState:
             seed=cfg.seed,
         )
         costs = CostModel(r.budget_unit, tokens_per_action=cfg.agent.max_action_tokens / 2)
-        return cls(selector, LengthModel(cfg.env.max_steps), costs)
+        chooser = None
+        if r.tree == "auto" and cfg.algorithm.branches:
+            chooser = TreeChooser(
+                cfg.train.group_size,
+                cfg.env.max_steps,
+                r.budget_unit,
+                explore_every=r.auto_explore,
+            )
+        return cls(selector, LengthModel(cfg.env.max_steps), costs, chooser=chooser)
 
     def dump(self) -> dict:
         """The running statistics as JSON-able data (saved with checkpoints)."""
@@ -82,6 +95,7 @@ class RolloutState:
             "scores": history.dump() if history is not None else {},
             "selector_rate": self.selector.rate(),
             "branch_scale": self.branch_scale,
+            "tree_chooser": self.chooser.dump() if self.chooser is not None else None,
         }
 
     def measuring_copy(self, seed: int | None = None) -> tuple[RolloutState, Measurements]:
@@ -115,6 +129,8 @@ class RolloutState:
         if data.get("selector_rate") is not None:
             self.selector.set_rate(data["selector_rate"])
         self.branch_scale = float(data.get("branch_scale", self.branch_scale))
+        if self.chooser is not None:
+            self.chooser.load(data.get("tree_chooser"))
         history = getattr(self.selector, "history", None)
         if history is not None:
             history.load(data.get("scores", {}))
@@ -133,6 +149,16 @@ class RolloutState:
             episode = self.costs.of_steps(self.lengths.mean_length())
         return cfg.train.group_size * episode
 
+    def plan(self, cfg: ExperimentConfig) -> Choice | None:
+        """`rollout.tree=auto`: the next batch's design, from the batches recorded so far only
+        (`TreeChooser.next_design`); None: the configured tree."""
+        if self.chooser is None:
+            return None
+        episodes, episode = cfg.train.group_size, self.costs.mean_episode()
+        if cfg.rollout.budget > 0 and episode:
+            episodes = cfg.rollout.budget / episode
+        return self.chooser.next_design(episodes)
+
     def adapt(self, cfg: ExperimentConfig, forest: RolloutForest) -> None:
         """After a tree batch: moves the branch rule's rate towards spending the budget."""
         ratios = forest.spend_ratio
@@ -149,16 +175,23 @@ class RolloutState:
             self.selector.adjust_rate(ratio, gain)
 
 
-def tree_spec(cfg: ExperimentConfig, state: RolloutState) -> TreeSpec:
-    """The forest every task grows under `cfg.train.algo`."""
+def tree_spec(cfg: ExperimentConfig, state: RolloutState, design: Design | None = None) -> TreeSpec:
+    """The forest every task grows under `cfg.train.algo`, in the shape of `design` if given
+    (`rollout.tree=auto`; its branch steps are the rule, `Design.selector`)."""
     r = cfg.rollout
     if not cfg.algorithm.branches:
         return TreeSpec(root_group=cfg.train.group_size, budget_unit=r.budget_unit)
+    shape = {
+        "root_group": r.root_group,
+        "num_branches": r.num_branches,
+        "branch_budget": r.branch_budget,
+        "max_depth": r.max_depth,
+        "branch_schedule": r.branch_schedule,
+    }
+    if design is not None:
+        shape = {**design.spec_fields(), "branch_schedule": "threshold"}
     return TreeSpec(
-        root_group=r.root_group,
-        num_branches=r.num_branches,
-        branch_budget=r.branch_budget,
-        max_depth=r.max_depth,
+        **shape,
         budget=state.budget(cfg),
         budget_episodes=(
             cfg.train.group_size if r.budget == 0 and r.budget_reference == "task" else 0.0
@@ -166,22 +199,26 @@ def tree_spec(cfg: ExperimentConfig, state: RolloutState) -> TreeSpec:
         budget_unit=r.budget_unit,
         budget_mode=r.budget_mode,
         entropy_reduce=r.entropy_reduce,
-        branch_schedule=r.branch_schedule,
         branch_scale=state.branch_scale,
         probe_share=r.probe_share,
     )
 
 
-def play_batch(pool, policy, tasks, cfg: ExperimentConfig, state: RolloutState, rng):
+def play_batch(pool, policy, tasks, cfg: ExperimentConfig, state: RolloutState, rng, agent=None):
     """Stage 1: every task's forest under the algorithm's topology (returns forest, spec).
 
     The tasks are played in `mesh.task_shards` shares (`bpo_jax.multihost.shares`), each host its
     own; every host returns the whole batch's forest. Each share plays on a copy of `state` as
     it stood at the batch's start and returns what it measured (`RolloutState.measuring_copy`);
     `state` then gains every share's measurements, in share order (`RolloutState.absorb`).
+    With `rollout.tree=auto` the batch's design is chosen before it plays, from earlier batches
+    (`RolloutState.plan`), and the batch is recorded for later ones after it played. `agent`:
+    the turn format (default `builders.make_agent`).
     """
-    spec = tree_spec(cfg, state)
-    encode = make_agent(cfg, policy.tokenizer)
+    state.choice = state.plan(cfg)
+    design = state.choice.design if state.choice is not None else None
+    spec = tree_spec(cfg, state, design)
+    encode = agent if agent is not None else make_agent(cfg, policy.tokenizer)
     num = distributed.num_shares(cfg.mesh.task_shards)
     # One share on one process: play on the running statistics themselves (they end as a copy's
     # absorbed measurements would leave them), and the rule's random stream runs on over batches.
@@ -199,7 +236,7 @@ def play_batch(pool, policy, tasks, cfg: ExperimentConfig, state: RolloutState, 
             share_tasks,
             spec,
             rng=key,
-            selector=local.selector,
+            selector=design.selector() if design is not None else local.selector,
             lengths=local.lengths,
             costs=local.costs,
             cohorts=cfg.rollout.overlap_cohorts,
@@ -210,7 +247,10 @@ def play_batch(pool, policy, tasks, cfg: ExperimentConfig, state: RolloutState, 
     if not direct:
         state.absorb([measured for _, (_, measured) in played])
     forest = shares.merge_forests([f for _, (f, _) in played])
-    state.adapt(cfg, forest)
+    if state.chooser is not None:
+        state.chooser.record(forest)
+    if design is None:  # A design's steps are its rule: no rate to adapt.
+        state.adapt(cfg, forest)
     return forest, spec
 
 
@@ -294,6 +334,7 @@ def rl_iteration(
         **env_floor_metrics(forest.seconds, forest.stats.env_steps, pool.num_workers, t_rollout),
         "time/compile_seconds": CompileClock.total() - compile0,
         **extra_metrics,
+        **design_metrics(rollout_state),
         **forest.stats.as_dict("compute/"),
     }
     # Means over the update's steps; a step on a zero gradient (no row with an advantage)
@@ -301,6 +342,24 @@ def rl_iteration(
     for key in dict.fromkeys(k for h in history for k in h):
         metrics[f"train/{key}_mean"] = float(np.mean([h[key] for h in history if key in h]))
     return state, metrics
+
+
+def design_metrics(state: RolloutState) -> dict:
+    """`rollout.tree=auto`: the batch's design (prior = 1 when it played the configured tree)
+    and its predicted gradient-variance ratio against RLOO(group_size)."""
+    if state.chooser is None:
+        return {}
+    if state.choice is None:
+        return {"train/design_prior": 1.0}
+    d = state.choice.design
+    return {
+        "train/design_prior": 0.0,
+        "train/design_root_group": d.root_group,
+        "train/design_num_branches": d.num_branches,
+        "train/design_levels": len(d.depths),
+        "train/design_first_step": d.depths[0] if d.depths else 0,
+        "train/design_predicted_ratio": float(state.choice.ratio),
+    }
 
 
 def branch_point_spreads(forest: RolloutForest) -> np.ndarray:

@@ -1,21 +1,26 @@
 """Builds repository-repair tasks from PyPI packages: `python -m envs.swe.build --out DIR`.
 
 For each package (`envs.swe.packages`): download its source archive with pip (checked against
-the pinned sha256), extract the pristine tree, run its test suite in a jail, then inject bugs
-one at a time (`envs.swe.mutate`) and run the suite again. A mutant is kept when it breaks at
-least one test that passed and at most `--max-fail` of them; the broken tests become
-FAIL_TO_PASS, the other tests of the same files PASS_TO_PASS. Each kept mutant becomes one
-SWE-bench-schema instance (`envs.swe.instances`).
+the pinned sha256), extract the pristine tree, make its test environment (`envs.swe.testenv`: a
+venv with what its own test configuration needs, from the registry), run its test suite in a
+jail, then inject bugs one at a time (`envs.swe.mutate`) and run the suite again. A mutant is
+kept when it breaks at least one test that passed and at most `--max-fail` of them; the broken
+tests become FAIL_TO_PASS, the other tests of the same files PASS_TO_PASS. Each kept mutant
+becomes one SWE-bench-schema instance (`envs.swe.instances`).
 
 Layout of DIR:
     archives/              source archives as downloaded
     trees/<name>-<ver>/    pristine trees (the tasks' base trees; read-only)
+    envs/<name>-<ver>-<h>/ test environments (venvs), by their requirements
     work/<name>-<ver>/     baseline.json and mutants/<id>.json: every test run's verdict
     instances.jsonl        the tasks (what `envs.swe.load_tasks` reads)
     manifest.json          counts per package, build time, settings
 
-Incremental: archives, trees and every mutant's verdict are cached, so a second run only tests
-what is new (e.g. a larger --per-package), and `instances.jsonl` is rewritten from the cache.
+Incremental: archives, trees, environments and every mutant's verdict are cached, so a second
+run only tests what is new (e.g. a larger --per-package), and `instances.jsonl` is rewritten from
+the cache. A package that cannot be built (its download, environment or pristine suite fails)
+is reported and skipped: the other packages' tasks are still written (with exit status 1), and a
+later run resumes from what was cached.
 Parallel: `--jobs` test runs at once (default: the number of CPUs).
 Only the download needs the network; `--offline` refuses to download.
 """
@@ -48,6 +53,7 @@ from envs.swe.mutate import Mutant, find_mutants, is_valid
 from envs.swe.packages import DEFAULT_PACKAGES, PACKAGES, PackageSpec
 from envs.swe.patching import tree_hash
 from envs.swe.results import TestOutcomes
+from envs.swe.testenv import TestEnv, ensure, requirements
 
 __all__ = ["BuildError", "build", "main"]
 
@@ -63,6 +69,7 @@ class _Package:
     spec: PackageSpec
     tree: Path
     work: Path
+    env: TestEnv
     passing: list[str]
     baseline_s: float
 
@@ -165,29 +172,35 @@ def extract(archive: Path, tree: Path) -> None:
 
 
 def run_suite(
-    spec: PackageSpec, tree: Path, files: dict[str, bytes | None], timeout_s: float
+    spec: PackageSpec,
+    tree: Path,
+    files: dict[str, bytes | None],
+    timeout_s: float,
+    env: TestEnv,
 ) -> tuple[TestOutcomes, bool, float, str]:
-    """Runs the package's tests on `tree` + `files`: (outcomes, timed out, seconds, output)."""
+    """Runs the package's tests on `tree` + `files` in its test environment: (outcomes, timed
+    out, seconds, output)."""
     result = run_in_jail(
         str(tree),
         files,
-        pytest_command(sys.executable, spec.pytest_args, spec.tests),
+        pytest_command(env.python, (*spec.pytest_args, *env.plugin_args), spec.tests),
         limits=Limits(timeout_s=timeout_s),
         env={"PYTHONPATH": jail_pythonpath(spec.pythonpath)},
         pytest_report=True,
+        python=env.python,
     )
     if result.error:
         raise BuildError(f"{spec.key}: the jail failed: {result.error}")
     return TestOutcomes(result.report), result.timed_out, result.elapsed_s, result.output
 
 
-def _baseline(spec: PackageSpec, tree: Path, work: Path) -> _Package:
+def _baseline(spec: PackageSpec, tree: Path, work: Path, env: TestEnv) -> _Package:
     path = work / "baseline.json"
     if path.is_file():
         data = json.loads(path.read_text())
         if data.get("format") == _FORMAT_VERSION:
-            return _Package(spec, tree, work, data["passing"], data["seconds"])
-    outcomes, timed_out, seconds, output = run_suite(spec, tree, {}, timeout_s=300)
+            return _Package(spec, tree, work, env, data["passing"], data["seconds"])
+    outcomes, timed_out, seconds, output = run_suite(spec, tree, {}, 300, env)
     passing = sorted(outcomes.passing())
     if timed_out or len(passing) < 5:
         raise BuildError(
@@ -200,7 +213,27 @@ def _baseline(spec: PackageSpec, tree: Path, work: Path) -> _Package:
               "counts": outcomes.counts()}  # fmt: skip
     path.write_text(json.dumps(record, indent=1))
     _log(f"{spec.key}: baseline {outcomes.counts()} in {seconds:.1f} s")
-    return _Package(spec, tree, work, passing, seconds)
+    return _Package(spec, tree, work, env, passing, seconds)
+
+
+def _prepare(spec: PackageSpec, root: Path, offline: bool, log: Callable[[str], None]) -> _Package:
+    """Fetches, extracts and baselines one package in its test environment.
+
+    Raises:
+        BuildError: If any step fails.
+    """
+    try:
+        archive = fetch(spec, root / "archives", offline=offline)
+        tree = root / "trees" / spec.key
+        extract(archive, tree)
+    except (OSError, subprocess.SubprocessError, tarfile.TarError, zipfile.BadZipFile) as e:
+        raise BuildError(f"{spec.key}: fetching or extracting it failed: {e}") from e
+    try:
+        env = ensure(root, spec.key, requirements(tree, spec.name, spec.pytest_args),
+                     offline=offline, log=log)  # fmt: skip
+    except RuntimeError as e:
+        raise BuildError(f"{spec.key}: its test environment could not be made: {e}") from e
+    return _baseline(spec, tree, root / "work" / spec.key, env)
 
 
 def _candidates(pkg: _Package, seed: int, per_function: int) -> list[tuple[Mutant, str]]:
@@ -241,7 +274,7 @@ def _verdict(pkg: _Package, mutant: Mutant, source: str) -> dict[str, Any]:
     else:
         timeout = max(20.0, 5 * pkg.baseline_s + 10)
         files = {mutant.path: mutant.apply(source).encode()}
-        outcomes, timed_out, seconds, _ = run_suite(pkg.spec, pkg.tree, files, timeout)
+        outcomes, timed_out, seconds, _ = run_suite(pkg.spec, pkg.tree, files, timeout, pkg.env)
         broken = sorted(set(pkg.passing) - outcomes.passing())
         verdict.update(
             timed_out=timed_out,
@@ -323,6 +356,11 @@ def _build_package(
                 fail_to_pass=f2p,
                 pass_to_pass=p2p,
                 messages=verdict["messages"],
+                pytest_args=(*pkg.spec.pytest_args, *pkg.env.plugin_args),
+                test_env=os.path.relpath(pkg.env.folder, pkg.work.parent.parent)
+                if pkg.env.folder
+                else "",
+                test_requirements=pkg.env.requirements,
             )
         )
     statuses["evaluated"] = sum(v for k, v in statuses.items())
@@ -361,17 +399,20 @@ def build(
     jobs = jobs or os.cpu_count() or 1
     all_instances: list[dict[str, Any]] = []
     per_pkg: dict[str, Any] = {}
+    skipped: dict[str, str] = {}
     with concurrent.futures.ThreadPoolExecutor(max_workers=jobs) as pool:
         for spec in packages:
             t0 = time.monotonic()
-            archive = fetch(spec, root / "archives", offline=offline)
-            tree = root / "trees" / spec.key
-            extract(archive, tree)
-            pkg = _baseline(spec, tree, root / "work" / spec.key)
-            instances, statuses = _build_package(
-                pkg, pool, jobs, per_package=per_package, max_candidates=max_candidates,
-                max_fail=max_fail, per_function=per_function, seed=seed,
-            )  # fmt: skip
+            try:
+                pkg = _prepare(spec, root, offline, log)
+                instances, statuses = _build_package(
+                    pkg, pool, jobs, per_package=per_package, max_candidates=max_candidates,
+                    max_fail=max_fail, per_function=per_function, seed=seed,
+                )  # fmt: skip
+            except BuildError as e:
+                skipped[spec.name] = str(e)
+                log(f"{spec.key}: skipped, it cannot be built: {e}")
+                continue
             seconds = time.monotonic() - t0
             log(f"{spec.key}: {len(instances)} tasks ({statuses}) in {seconds:.0f} s")
             per_pkg[spec.name] = {
@@ -379,6 +420,7 @@ def build(
                 "tasks": len(instances),
                 "verdicts": statuses,
                 "baseline_tests": len(pkg.passing),
+                "test_requirements": list(pkg.env.requirements),
                 "seconds": round(seconds, 1),
             }
             all_instances.extend(instances)
@@ -390,6 +432,7 @@ def build(
     manifest = {
         "tasks": len(all_instances),
         "packages": per_pkg,
+        "skipped": skipped,
         "seconds": round(time.monotonic() - started, 1),
         "settings": {"per_package": per_package, "jobs": jobs, "max_candidates": max_candidates,
                      "max_fail": max_fail, "per_function": per_function, "seed": seed},
@@ -397,6 +440,11 @@ def build(
     (root / "manifest.json").write_text(json.dumps(manifest, indent=1))
     log(f"{len(all_instances)} tasks from {len(per_pkg)} packages in {manifest['seconds']} s "
         f"-> {root / 'instances.jsonl'}")  # fmt: skip
+    if skipped:
+        log(
+            f"skipped {len(skipped)} package(s) that could not be built: {', '.join(skipped)} "
+            "(the reasons are above and in manifest.json; a rerun resumes from the cache)"
+        )
     return manifest
 
 
@@ -428,7 +476,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             parser.error(f"unknown package(s) {unknown}; known: {sorted(PACKAGES)}")
         specs = [PACKAGES[n] for n in names]
     try:
-        build(
+        manifest = build(
             args.out, specs, per_package=args.per_package, jobs=args.jobs,
             max_candidates=args.max_candidates, max_fail=args.max_fail,
             per_function=args.per_function, seed=args.seed, offline=args.offline,
@@ -436,7 +484,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except BuildError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
-    return 0
+    return 1 if manifest["skipped"] else 0
 
 
 if __name__ == "__main__":

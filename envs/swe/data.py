@@ -14,8 +14,9 @@ An instance's SWE-bench fields: `instance_id`, `repo`, `base_commit`, `problem_s
 Verified's `difficulty`, ...) are kept in `SweTask.extra`, and `task_to_instance` gives them all
 back. An instance without FAIL_TO_PASS tests is refused. The builder adds: `bug_patch` (turns
 the pristine tree into the buggy one; the reverse of `patch`), `package`, `tree` (relative to
-the data root), `pythonpath`, `pytest_args`, `walkthrough` (expert actions: apply `patch` with
-the tools and submit) and `mutation`.
+the data root), `pythonpath`, `pytest_args`, `test_env` (the package's test environment, a venv
+relative to the data root, `envs.swe.testenv`) and `test_requirements` (what it holds besides
+pytest), `walkthrough` (expert actions: apply `patch` with the tools and submit) and `mutation`.
 """
 
 from __future__ import annotations
@@ -78,6 +79,10 @@ class SweTask(Task):
         version: The package or SWE-bench version.
         pythonpath: Folders, relative to the tree, put on PYTHONPATH for tests.
         pytest_args: Extra pytest arguments for this repository.
+        python: The interpreter of the task's test environment, which jailed commands use
+            ("": the env's own).
+        test_requirements: What the test environment holds besides pytest (the Docker
+            executor's local image installs the same).
         walkthrough: Expert actions that fix the bug and submit.
         source: "synthetic" or "swebench".
         image: Docker image that holds the repository (SWE-bench tasks).
@@ -101,6 +106,8 @@ class SweTask(Task):
     version: str = ""
     pythonpath: tuple[str, ...] = ()
     pytest_args: tuple[str, ...] = ()
+    python: str = ""
+    test_requirements: tuple[str, ...] = ()
     walkthrough: tuple[str, ...] = ()
     source: str = "synthetic"
     image: str = ""
@@ -139,7 +146,7 @@ _FIELDS = frozenset({
     "instance_id", "repo", "base_commit", "problem_statement", "hints_text", "created_at",
     "version", "environment_setup_commit", "FAIL_TO_PASS", "PASS_TO_PASS", "test_patch", "patch",
     "bug_patch", "tree", "source", "namespace", "image", "package", "pythonpath", "pytest_args",
-    "walkthrough",
+    "walkthrough", "test_env", "test_requirements",
 })  # fmt: skip
 
 
@@ -165,9 +172,11 @@ def instance_to_task(instance: dict[str, Any], root: pathlib.Path | None = None)
             "fails before the fix and passes after it; without one every patch, even an empty "
             "one, would grade as resolved."
         )
-    tree = instance.get("tree") or ""
+    tree, test_env = instance.get("tree") or "", instance.get("test_env") or ""
     if tree and root is not None and not os.path.isabs(tree):
         tree = str(root / tree)
+    if test_env and root is not None and not os.path.isabs(test_env):
+        test_env = str(root / test_env)
     source = str(instance.get("source") or ("synthetic" if tree else "swebench"))
     image = instance.get("image") or (
         "" if source == "synthetic" else swebench_image(iid, instance.get("namespace"))
@@ -187,6 +196,8 @@ def instance_to_task(instance: dict[str, Any], root: pathlib.Path | None = None)
         version=str(instance.get("version", "")),
         pythonpath=tuple(instance.get("pythonpath") or ()),
         pytest_args=tuple(instance.get("pytest_args") or ()),
+        python=os.path.join(test_env, "bin", "python") if test_env else "",
+        test_requirements=tuple(instance.get("test_requirements") or ()),
         walkthrough=tuple(instance.get("walkthrough") or ()),
         source=source,
         image=image,

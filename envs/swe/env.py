@@ -124,7 +124,8 @@ class SweEnv(TextEnv, FileTools):
             invalid_action_penalty: Non-negative amount subtracted for an invalid action.
             executor: "jail" (local namespaces; needs root) or "docker" (the task's SWE-bench
                 image, or for a task with a tree its local image, `envs.swe.images`).
-            python: Interpreter for tests and `run` (default: the worker's own).
+            python: Interpreter for tests and `run` (default: the worker's own) of tasks without
+                a test environment of their own (`SweTask.python`).
             command_timeout_s: Wall-clock limit of `run` and `test`.
             test_timeout_s: Wall-clock limit of grading.
             cpu_time_s, memory_mb, max_processes, max_file_mb, tmpfs_mb: Jail limits (see
@@ -284,7 +285,7 @@ class SweEnv(TextEnv, FileTools):
         for target in targets:
             if not target.startswith("-"):
                 ws.resolve(target.split("::", 1)[0])
-        command = pytest_command(self.python, task.pytest_args, targets)
+        command = pytest_command(self._python(), task.pytest_args, targets)
         result = self._execute(command, ws.overlay(), self.command_limits, report=True)
         return self._describe_test_run(result)
 
@@ -346,6 +347,14 @@ class SweEnv(TextEnv, FileTools):
 
     # Commands and grading -----------------------------------------------------------------------
 
+    def _python(self) -> str:
+        """The interpreter of commands: in a jail the task's test environment's, if it has one
+        (its pytest plugins and test requirements), else the env's."""
+        task = self._task
+        if self._docker is None and task is not None and task.python:
+            return task.python
+        return self.python
+
     def _execute(self, argv, files, limits, *, report=False, capture=False) -> JailResult:
         task, ws = self._task, self._ws
         assert task is not None and ws is not None
@@ -356,7 +365,7 @@ class SweEnv(TextEnv, FileTools):
             )
         return run_in_jail(
             ws.base, files, argv, limits=limits, env=env, capture=capture,
-            pytest_report=report, python=self.python,
+            pytest_report=report, python=self._python(),
         )  # fmt: skip
 
     def _grade(self) -> tuple[bool, str, dict[str, int]]:
@@ -371,7 +380,7 @@ class SweEnv(TextEnv, FileTools):
             )
         else:
             result = run_harness(
-                ws.base, files, options, limits=self.test_limits, python=self.python,
+                ws.base, files, options, limits=self.test_limits, python=self._python(),
                 pythonpath=jail_pythonpath(task.pythonpath).split(":"),
                 agent_files=[f"{JAIL_ROOT}/{p}" for p in taken],
             )  # fmt: skip

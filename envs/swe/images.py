@@ -8,7 +8,8 @@ three cached layers (as SWE-bench's base, env and instance images):
 - base: `debootstrap --variant=minbase` of Debian with python3, python3-venv and git, imported
   with `docker import` (about a minute and 420 MB, once per machine);
 - env: a venv at `/opt/testbed` with the test dependencies (default: the pytest the local jail
-  uses, so that both executors grade alike) installed offline from wheels that `pip download`
+  uses, so that both executors grade alike, plus the task's `test_requirements`, what its test
+  environment holds: `envs.swe.testenv`) installed offline from wheels that `pip download`
   fetched on the host beforehand (`--network none` while installing); tagged by the hash of the
   base image and of the wheels;
 - instance: the task's pristine tree at `/testbed` as a git repository with one commit (fixed
@@ -94,7 +95,7 @@ class ImageBuilder:
         self.mirror = mirror
         self.namespace = namespace
         self.log = log
-        self._env: str | None = None
+        self._envs: dict[tuple[str, ...], str] = {}
 
     # Docker --------------------------------------------------------------------------------------
 
@@ -199,27 +200,27 @@ class ImageBuilder:
         self.log(f"built {image} in {time.monotonic() - start:.0f} s")
         return image
 
-    def wheels(self) -> Path:
+    def wheels(self, requirements: Sequence[str]) -> Path:
         """The folder of wheels for `requirements` (downloaded once, for the base's Python)."""
-        folder = self.cache_dir / "wheels" / _sha(*self.requirements, "cp311")[:16]
+        folder = self.cache_dir / "wheels" / _sha(*requirements, "cp311")[:16]
         if (folder / "COMPLETE").is_file():
             return folder
         scratch = Path(tempfile.mkdtemp(prefix=".wheels-", dir=self.cache_dir))
-        self.log(f"pip download {' '.join(self.requirements)}")
+        self.log(f"pip download {' '.join(requirements)}")
         done = subprocess.run(
             [sys.executable, "-m", "pip", "download", "--quiet", "--disable-pip-version-check",
              "--only-binary=:all:", "--python-version", "3.11", "--implementation", "cp",
              "--abi", "cp311", "--platform", "manylinux2014_x86_64", "--dest", str(scratch),
-             *self.requirements],
+             *requirements],
             capture_output=True, timeout=1800,
         )  # fmt: skip
         if done.returncode != 0:
             shutil.rmtree(scratch, ignore_errors=True)
             raise RuntimeError(
-                f"pip download {' '.join(self.requirements)} failed: "
+                f"pip download {' '.join(requirements)} failed: "
                 f"{(done.stdout + done.stderr).decode(errors='replace')[-1500:]}"
             )
-        (scratch / "COMPLETE").write_text(json.dumps(self.requirements))
+        (scratch / "COMPLETE").write_text(json.dumps(list(requirements)))
         folder.parent.mkdir(parents=True, exist_ok=True)
         try:
             scratch.rename(folder)
@@ -227,31 +228,33 @@ class ImageBuilder:
             shutil.rmtree(scratch, ignore_errors=True)
         return folder
 
-    def env_image(self) -> str:
-        """The base plus a venv at /opt/testbed with the requirements, installed offline."""
-        if self._env is not None and self.exists(self._env):
-            return self._env
+    def env_image(self, extra: Sequence[str] = ()) -> str:
+        """The base plus a venv at /opt/testbed with the requirements (and `extra`, a task's
+        test requirements), installed offline."""
+        requirements = (*self.requirements, *extra)
+        if requirements in self._envs and self.exists(self._envs[requirements]):
+            return self._envs[requirements]
         self.cache_dir.mkdir(parents=True, exist_ok=True)
         base = self.base_image()
-        wheels = self.wheels()
+        wheels = self.wheels(requirements)
         digest = hashlib.sha256(self.image_id(base).encode())
         for path in sorted(wheels.glob("*.whl")):
             digest.update(path.name.encode() + hashlib.sha256(path.read_bytes()).digest())
         image = f"{self.namespace}/env:{digest.hexdigest()[:16]}"
         if not self.exists(image):
             start = time.monotonic()
-            names = " ".join(f"'{r}'" for r in self.requirements)
+            names = " ".join(f"'{r}'" for r in requirements)
             script = (
                 f"set -e; python3 -m venv {ENV_PREFIX}; "
                 f"{ENV_PREFIX}/bin/pip install --quiet --no-index --disable-pip-version-check "
                 f"--find-links /wheels {names}; {ENV_PREFIX}/bin/python -m pytest --version"
             )
-            labels = {"requirements": " ".join(self.requirements), "harness": "1",
+            labels = {"requirements": " ".join(requirements), "harness": "1",
                       "activate": f". {ENV_PREFIX}/bin/activate"}  # fmt: skip
             self._run_and_commit(base, image, script, labels, mounts=[(str(wheels), "/wheels")],
                                  changes=[f"ENV PATH={_PATH}"])  # fmt: skip
             self.log(f"built {image} in {time.monotonic() - start:.0f} s")
-        self._env = image
+        self._envs[requirements] = image
         return image
 
     def instance_image(self, task: SweTask, tree: str | None = None) -> str:
@@ -259,7 +262,7 @@ class ImageBuilder:
         tree = tree or task.tree
         if not tree or not os.path.isdir(tree):
             raise FileNotFoundError(f"Task {task.task_id}: no tree to build an image from.")
-        env = self.env_image()
+        env = self.env_image(task.test_requirements)
         key = _sha(self.image_id(env), tree_hash(tree))[:16]
         image = f"{self.namespace}/sweb.eval.{_slug(task.task_type or task.task_id)}:{key}"
         if self.exists(image):
@@ -296,12 +299,13 @@ class ImageBuilder:
 
     def for_tasks(self, tasks: Sequence[SweTask]) -> list[SweTask]:
         """The tasks with `image` set to their instance images (one per distinct tree)."""
-        images: dict[str, str] = {}
+        images: dict[tuple, str] = {}
         out = []
         for task in tasks:
-            if task.tree not in images:
-                images[task.tree] = self.instance_image(task)
-            out.append(dataclasses.replace(task, image=images[task.tree]))
+            key = (task.tree, task.test_requirements)
+            if key not in images:
+                images[key] = self.instance_image(task)
+            out.append(dataclasses.replace(task, image=images[key]))
         return out
 
 

@@ -110,8 +110,15 @@ def make_instance(
     fail_to_pass: Sequence[str],
     pass_to_pass: Sequence[str],
     messages: Mapping[str, str],
+    pytest_args: Sequence[str] | None = None,
+    test_env: str = "",
+    test_requirements: Sequence[str] = (),
 ) -> dict[str, Any]:
-    """One instance dict (the SWE-bench fields plus the builder's; see `envs.swe.data`)."""
+    """One instance dict (the SWE-bench fields plus the builder's; see `envs.swe.data`).
+
+    `pytest_args` default to the spec's; `test_env` is the package's test environment (a venv
+    folder, relative to the data root) and `test_requirements` what was installed in it.
+    """
     buggy_source = mutant.apply(original_source)
     owner_repo = spec.repo.replace("/", "__")
     digest = mutant.mutant_id.rsplit(":", 1)[-1]
@@ -133,7 +140,9 @@ def make_instance(
         "package": spec.name,
         "tree": tree,
         "pythonpath": list(spec.pythonpath),
-        "pytest_args": list(spec.pytest_args),
+        "pytest_args": list(spec.pytest_args if pytest_args is None else pytest_args),
+        "test_env": test_env,
+        "test_requirements": list(test_requirements),
         "walkthrough": walkthrough(mutant, buggy_source, original_source),
         "mutation": {
             "path": mutant.path,

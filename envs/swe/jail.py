@@ -162,7 +162,8 @@ _prefixes: dict[str, tuple[str, ...]] = {}
 def interpreter_paths(python: str) -> tuple[str, ...]:
     """Folders a jail must show for `python` to run: its venv and its base installation."""
     if python not in _prefixes:
-        if os.path.realpath(python) == os.path.realpath(sys.executable):
+        # Not by the real path: every venv of one base interpreter links to the same binary.
+        if os.path.abspath(python) == os.path.abspath(sys.executable):
             found = [sys.prefix, sys.base_prefix, sys.exec_prefix, sys.base_exec_prefix]
         else:
             out = subprocess.run(

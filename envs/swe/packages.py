@@ -3,8 +3,8 @@
 Each spec pins a version and the sha256 of its source archive, so that a build is reproducible
 and a changed archive is noticed. `sources` are the modules whose functions get bugs; `tests`
 what pytest runs. Suites were chosen to pass under the jail (no network, an unprivileged uid,
-pytest's plugin autoload off) in a few seconds each, with each package's own pytest options
-(a spec's `pytest_args` override those that need a plugin the jail's interpreter lacks).
+pytest's plugin autoload off) in a few seconds each, with each package's own pytest options, in
+its test environment (`envs.swe.testenv`: the plugins those options need, its test extras).
 """
 
 from __future__ import annotations
@@ -73,9 +73,6 @@ PACKAGES: dict[str, PackageSpec] = {
             repo="r1chardj0n3s/parse",
             sources=("parse/__init__.py",),
             tests=("tests",),
-            # Its addopts need pytest-cov (`--cov=parse ...`), which the jail's interpreter
-            # lacks; SWE-bench's images install what a repository's options need.
-            pytest_args=("-o", "addopts="),
         ),
         PackageSpec(
             name="cachetools",

@@ -46,6 +46,10 @@ def test_a_large_paired_effect_is_significant_and_no_change_is_not():
     same = report.paired_effect(_evals([1, 0, 1]), _evals([1, 0, 1]))
     assert same["diff_ci"] == (0.0, 0.0) and same["p_value"] == 1.0 and not same["significant"]
     assert report.paired_effect(_evals([1, 0]), _evals([1, 0], ["x", "y"])) is None
+    # Five games lost, none won: the bootstrap's interval excludes 0, McNemar's p is 0.0625.
+    lost = report.paired_effect(_evals([1] * 5 + [0] * 19), _evals([0] * 24))
+    assert lost["diff_ci"][1] < 0 and lost["p_value"] == pytest.approx(0.0625)
+    assert not lost["significant"]
 
 
 def _summary(effect, iterations=6):

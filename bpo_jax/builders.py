@@ -41,7 +41,9 @@ def select_tasks(cfg: ExperimentConfig):
       first `eval.num_tasks` training tasks themselves (an in-distribution check); the split
       "dev" on the training games held out by `env.dev_fraction` (`is_dev_task`; they are never
       among the training tasks); another split gives its first `eval.num_tasks` games after a
-      seeded shuffle (0 = all of them).
+      seeded shuffle (0 = all of them). With `env.train_split="dev"` the run trains on the dev
+      games instead (of the "train" split), to choose settings in-distribution without the games
+      a default run reports.
     """
     from envs.base import load_tasks
 
@@ -49,19 +51,21 @@ def select_tasks(cfg: ExperimentConfig):
     root = e.data_root or None
     opts = dict(e.task_options)
     types = tuple(e.task_types) or None
-    train = load_tasks(e.name, root, e.train_split, types, **opts)
+    on_dev = e.train_split == "dev"
+    train = load_tasks(e.name, root, "train" if on_dev else e.train_split, types, **opts)
     dev = [t for t in train if is_dev_task(t.task_id, e.dev_fraction)]
-    train = [t for t in train if not is_dev_task(t.task_id, e.dev_fraction)]
+    train = dev if on_dev else [t for t in train if not is_dev_task(t.task_id, e.dev_fraction)]
+    train = list(train)
     random.Random(cfg.seed).shuffle(train)
     if e.num_train_tasks:
         train = train[: e.num_train_tasks]
     n = cfg.eval.num_tasks or None
     evals = {}
     for split in e.eval_splits:
-        if split == "dev":
-            evals[split] = dev[:n]  # In task-id order: the same games whatever the seed.
-        elif split == e.train_split:
+        if split == e.train_split:
             evals[split] = train[:n]
+        elif split == "dev":
+            evals[split] = dev[:n]  # In task-id order: the same games whatever the seed.
         else:
             tasks = load_tasks(e.name, root, split, types, **opts)
             random.Random(cfg.seed + 1).shuffle(tasks)

@@ -130,7 +130,7 @@ class EnvSpec(Spec):
     section = "env"
     name: str  # A registered environment, a gymnasium id, or "module:Class".
     data_root: str
-    train_split: str
+    train_split: str  # A split of the environment, or "dev" (its dev games: dev_fraction).
     eval_split: str  # One split, or several comma-separated (`eval_splits`).
     task_types: tuple[str, ...]
     num_train_tasks: int = at_least(0)
@@ -148,13 +148,14 @@ class EnvSpec(Spec):
         splits = self.eval_splits
         if not splits or len(set(splits)) != len(splits):
             self._fail("eval_split", self.eval_split, "must name distinct splits, comma-separated")
-        if "dev" in splits and not self.dev_fraction > 0:
-            self._fail(
-                "eval_split",
-                self.eval_split,
-                "names the 'dev' split, which needs env.dev_fraction > 0 (the share of the "
-                "training games held out for it)",
-            )
+        for name in ("eval_split", "train_split"):
+            if "dev" in getattr(self, name).split(",") and not self.dev_fraction > 0:
+                self._fail(
+                    name,
+                    getattr(self, name),
+                    "names the 'dev' split, which needs env.dev_fraction > 0 (the share of the "
+                    "training games held out for it)",
+                )
 
     @property
     def eval_splits(self) -> tuple[str, ...]:

@@ -42,7 +42,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.env = ml_collections.ConfigDict()
     c.env.name = "alfworld"
     c.env.data_root = ""  # Empty: $ALFWORLD_DATA, else the alfworld package's download cache.
-    c.env.train_split = "train"
+    c.env.train_split = "train"  # "dev": train on the dev games (below), to choose settings.
     # Comma-separated splits, each evaluated and reported on its own. Held-out at CPU scale:
     # --config.env.eval_split=valid_seen,valid_unseen --config.eval.num_tasks=0 (90 games of
     # the two CPU task types).

@@ -42,6 +42,7 @@ def test_defaults_are_unchanged():
         ({"bc.demos": "search", "env.task_types": ()}, r"config.bc.demos='search'"),
         ({"env.dev_fraction": 1.0}, r"config.env.dev_fraction must be in \[0, 1\)"),
         ({"env.eval_split": "dev"}, r"config.env.eval_split names the 'dev' split"),
+        ({"env.train_split": "dev"}, r"config.env.train_split names the 'dev' split"),
     ],
 )
 def test_bad_demo_and_dev_settings_name_the_field(overrides, match):
@@ -81,6 +82,15 @@ def test_dev_split_is_by_task_id_disjoint_and_seed_independent():
     train2, evals2 = split(7)
     assert [t.task_id for t in evals2["dev"]] == [t.task_id for t in dev]
     assert sorted(t.task_id for t in train2) == sorted(t.task_id for t in train)
+
+
+def test_training_on_the_dev_games_evaluates_on_them():
+    """`env.train_split="dev"` (choosing settings in-distribution without the games a default
+    run reports): the run trains on dev games, and its "dev" evaluation is its training games."""
+    over = {"env.dev_fraction": 0.3, "env.train_split": "dev", "env.eval_split": "dev"}
+    train, evals = select_tasks(validate(cpu_config(**over)))
+    assert len(train) == 24 and all(is_dev_task(t.task_id, 0.3) for t in train)
+    assert [t.task_id for t in evals["dev"]] == [t.task_id for t in train]
 
 
 def test_behaviour_cloning_examples_from_search_demos():

@@ -121,6 +121,11 @@ def test_cpu_variant_runs_two_iterations(tmp_path):
     assert iters[0]["time/compile_seconds"] > 0  # The first iteration compiles the update.
     assert (tmp_path / "tokenizer.model").exists()
     assert json.loads((tmp_path / "summary.json").read_text())["iterations"] == 2
+    # What the job ends with (bpo_jax.report): RL's effect on the evaluation games, its compute,
+    # the figure.
+    assert summary["rl_effect"]["n"] == summary["eval_tasks"]
+    assert summary["rl_spend"]["iterations"] == 2
+    assert summary["figure"] == str(tmp_path / "curves.png") and (tmp_path / "curves.png").exists()
 
 
 @pytest.mark.slow  # Minutes on 2 cores: CI's slow phase (the default suite stays short).

@@ -47,7 +47,11 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$(stamp_of "$level")" ]; then
   for f in "${files[@]}"; do reqs+=(-r "$f"); done
   .venv/bin/python -m pip install --quiet "${reqs[@]}"
   say "installing bpo_jax itself (editable)"
-  .venv/bin/python -m pip install --quiet --no-deps -e .
+  # Its build backend's notes (setuptools' editable-install banner) only when it fails.
+  if ! log=$(.venv/bin/python -m pip install --quiet --no-deps -e . 2>&1); then
+    echo "$log" >&2
+    exit 1
+  fi
   for c in "${covers[@]}"; do stamp_of "$c" > ".venv/.requirements-$c.sha256"; done
   say "installed level $level; .venv is $(du -sh .venv | cut -f1)"
 else

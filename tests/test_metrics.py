@@ -77,6 +77,28 @@ def test_appends_across_writers(tmp_path):
     assert [r["x"] for r in metrics.read_metrics(tmp_path)] == [1, 2]
 
 
+def test_append_writes_json_records_of_another_file(tmp_path):
+    # Records that are no scalars (a batch's columns) go to their own JSON-lines file, flushed
+    # at once and appended to across writers (a resumed run), as metrics.jsonl is.
+    name = metrics.BRANCH_PARTS_FILE
+    with metrics.MetricWriter(tmp_path, use_tensorboard=False) as writer:
+        writer.append(name, {"iteration": 1, "depth": [1, 2], "between": [0.5, float("nan")]})
+        assert json.loads((tmp_path / name).read_text())["depth"] == [1, 2]
+        for bad in (metrics.METRICS_FILE, "sub/parts.jsonl", ""):
+            with pytest.raises(ValueError, match="plain file name"):
+                writer.append(bad, {})
+    with metrics.MetricWriter(tmp_path, use_tensorboard=False) as writer:
+        writer.append(name, {"iteration": 2})
+    records = metrics.read_json_lines(tmp_path / name)
+    assert [r["iteration"] for r in records] == [1, 2] and np.isnan(records[0]["between"][1])
+    assert metrics.read_metrics(tmp_path) == []
+    with pytest.raises(RuntimeError, match="closed"):
+        writer.append(name, {"iteration": 3})
+    with metrics.MetricWriter(tmp_path, enabled=False) as writer:
+        writer.append(name, {"iteration": 4})  # Another process than the lead: nothing.
+    assert len(metrics.read_json_lines(tmp_path / name)) == 2
+
+
 @pytest.mark.parametrize(
     "value, error, match",
     [

@@ -32,6 +32,9 @@ from bpo_jax.io import files
 BRANCH_STEP_PREFIX = "train/branch_step/"
 
 METRICS_FILE = "metrics.jsonl"
+# Per RL iteration of a tree algorithm, the batch's branch points summed per (task, depth)
+# (`bpo_jax.estimators.task_depth_parts`), as columns (`MetricWriter.append`).
+BRANCH_PARTS_FILE = "branch_parts.jsonl"
 TB_DIR = "tb"
 _RESERVED = ("step", "time")
 
@@ -90,6 +93,7 @@ class MetricWriter(files.Closeable):
         self.enabled = enabled
         self._file = None
         self._tb = None
+        self._records: dict[str, Any] = {}  # `append`'s files, opened on first use.
         if not enabled:
             return
         self.workdir.mkdir(parents=True, exist_ok=True)
@@ -142,11 +146,41 @@ class MetricWriter(files.Closeable):
                     self._tb.add_scalar(name, value, global_step=step_value)
             self._tb.flush()
 
+    def append(self, name: str, record: Mapping[str, Any]) -> None:
+        """Appends one JSON-able record (lists allowed) as a line of `<workdir>/<name>`.
+
+        For what is no scalar: per-iteration columns a reader re-pools (`BRANCH_PARTS_FILE`).
+        Like `metrics.jsonl` the file is appended to across resumes (`read_json_lines`).
+
+        Raises:
+          RuntimeError: If the writer is closed.
+          ValueError: If `name` is not a plain file name or is the metrics file.
+        """
+        if not self.enabled:
+            return
+        if self._file is None:
+            raise RuntimeError(f"MetricWriter for {self.workdir} is closed; make a new one.")
+        if name == METRICS_FILE or not name or "/" in name or name.startswith("."):
+            raise ValueError(f"append needs a plain file name other than {METRICS_FILE}: {name!r}")
+        out = self._records.get(name)
+        if out is None:
+            path = self.workdir / name
+            if files.is_remote(path):
+                out = _RewrittenObject(path, keep=True)
+            else:
+                out = path.open("a", encoding="utf-8")
+            self._records[name] = out
+        out.write(json.dumps(dict(record)) + "\n")
+        out.flush()
+
     def close(self) -> None:
         """Flushes and closes the files; further writes raise."""
         if self._file is not None:
             self._file.close()
             self._file = None
+        for out in self._records.values():
+            out.close()
+        self._records = {}
         if self._tb is not None:
             self._tb.close()
             self._tb = None
@@ -170,6 +204,16 @@ def read_metrics(workdir: str | os.PathLike) -> list[dict[str, Any]]:
     path = files.as_path(workdir) / METRICS_FILE
     if not path.is_file():
         raise FileNotFoundError(f"no metrics file at {path}; was MetricWriter given {workdir}?")
+    return read_json_lines(path)
+
+
+def read_json_lines(path: str | os.PathLike) -> list[dict[str, Any]]:
+    """Every record of a JSON-lines file (`read_metrics`' rules: a cut last line is dropped).
+
+    Raises:
+      ValueError: If a line other than the last is not valid JSON.
+    """
+    path = files.as_path(path)
     lines = path.read_text(encoding="utf-8").splitlines()
     records = []
     for i, line in enumerate(lines):

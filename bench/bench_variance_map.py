@@ -13,7 +13,9 @@ Per design point (`DESIGNS`: an MDP, RLOO's N, a tree `[[0, K0], [d_1, K], ...]`
    action) becomes the tree's per-task budget;
 2. BPO plays M tasks: K0 backbones, every path branching into K at the design's steps
    (`design.StepsSelector`) while the budget lasts (the planner spends it in step order, a
-   partly fitting branch by its coin): equal tokens in expectation (`tokens_ratio`);
+   partly fitting branch by its coin, its length model knowing the MDP's lengths as a run's
+   does after its first batches: `known_lengths`): equal tokens in expectation
+   (`tokens_ratio`) where the tree can spend the budget;
 3. the ratio of the traces of the two per-task gradient covariances, a 95% percentile bootstrap
    CI (each estimator's tasks resampled on their own), and `predicted`: the design model
    (`bpo_jax.rollout.design.predicted_ratio`) on the MDP's exact profile
@@ -135,11 +137,36 @@ DESIGNS = [
         DesignPoint(f"auto: {m} N=8", m, 8, auto=True)
         for m in ("sparse_end", "dense", "alf_d1", "alf_d4", "split_d2_f50", "varlen_h6")
     ),
+    *(
+        DesignPoint(f"auto: {m} N={n}", m, n, auto=True)
+        for m, n in (
+            ("decided_at_1", 8),
+            ("split_d2_f93", 8),
+            ("split_d4_f50", 8),
+            ("varlen_h8", 8),
+            ("alf_d1", 4),  # N = 4: the CPU tables' group size.
+            ("alf_d4", 4),
+            ("dense", 4),
+        )
+    ),
 ]
 
 
 def seed_of(*parts) -> int:
     return zlib.crc32(repr(parts).encode()) % (2**31)
+
+
+def known_lengths(mdp, logits, size: int = 2048) -> LengthModel:
+    """A length model that has seen `size` episodes in the exact proportions of their lengths,
+    as a run's has after its first batches (a fresh one plans with the worst case, H - t steps
+    still to go, and under-spends where episodes end early). The shortest come first (oldest):
+    the batch's own episodes, short ones finishing first, displace those, which `remaining(t)`
+    at the steps they passed no longer reads."""
+    survival = step_profile(mdp, logits)["survival"]
+    model = LengthModel(mdp.horizon, window=size)
+    for length, p in enumerate(survival[:-1] - survival[1:], start=1):
+        model.lengths.extend([length] * int(round(p * size)))
+    return model
 
 
 def play(mdp, policy, tasks, spec: TreeSpec, selector, seed: int):
@@ -152,7 +179,7 @@ def play(mdp, policy, tasks, spec: TreeSpec, selector, seed: int):
             spec,
             rng=jax.random.key(seed),
             selector=selector,
-            lengths=LengthModel(mdp.horizon),
+            lengths=known_lengths(mdp, policy.logits),
             costs=CostModel(spec.budget_unit),
         )
 

@@ -123,6 +123,43 @@ def test_model_equals_the_model_on_grown_forests(design, budget, rel):
     assert np.mean(forest.task_cost) == pytest.approx(cost, rel=0.03)
 
 
+def test_first_level_fill_when_episodes_end_early():
+    """Where episodes end before the branch step, a task's slack depends on how many of its
+    backbones still run there; the model's expected branch points and spend match the engine's
+    (its length model knowing the MDP's lengths, as a run's does after its first batches)."""
+    import jax
+
+    from bpo_jax.rollout.branching import CostModel, LengthModel
+    from bpo_jax.rollout.engine import play_forest
+
+    mdp, logits, profile = exact("variable_length", 3)  # Episodes of 1, 2 and 4 steps.
+    design, budget = Design(3, 2, (1,)), 4 * profile.remaining(0)
+    # Room for the batch's own 4,500 episodes: none of the 6,000 known lengths is dropped.
+    lengths = LengthModel(mdp.horizon, window=12_000)
+    for length, p in enumerate(profile.survival[:-1] - profile.survival[1:], start=1):
+        lengths.lengths.extend([length] * int(round(p * 6000)))
+    spec = TreeSpec(**design.spec_fields(), budget=budget, budget_unit="env_steps")
+    with SandboxPool("tabular", {"mdp": mdp}, backend="inprocess") as pool:
+        forest = play_forest(
+            pool,
+            TabularPolicy(logits),
+            encode_state,
+            mdp_tasks(mdp, copies=1500),
+            spec,
+            rng=jax.random.key(0),
+            selector=design.selector(),
+            lengths=lengths,
+            costs=CostModel("env_steps"),
+        )
+    (share,) = level_shares(design, profile, budget)
+    points = share * design.root_group * profile.survival[1]
+    assert 0 < share < 1
+    assert forest.num_branch_points / 1500 == pytest.approx(points, rel=0.05)
+    assert np.mean(forest.task_cost) == pytest.approx(
+        expected_cost(design, profile, budget), rel=0.03
+    )
+
+
 @pytest.mark.parametrize("instance,seed", [("generic", 0), ("variable_length", 3)])
 def test_measured_profile_matches_the_exact_one(instance, seed):
     mdp, logits, profile = exact(instance, seed)

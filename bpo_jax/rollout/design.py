@@ -169,22 +169,50 @@ class StepsSelector(BranchSelector):
 
 def level_shares(design: Design, profile: Profile, budget: float = math.inf) -> list[float]:
     """Per level, the share of its paths that branch when the planner spends `budget` in step
-    order: 1 for the levels paid in full, then one level paid in part, then 0."""
+    order: 1 for the levels paid in full, then one level paid in part, then 0.
+
+    A task cannot spend another's slack: where some episodes end before the first level's step,
+    its share is the mean over the number of backbones still running there (`_first_level`).
+    """
     k = design.num_branches
     slack = budget - design.root_group * profile.remaining(0)
     paths, out = design.root_group, []
-    for d in design.depths:
+    for j, d in enumerate(design.depths):
         full = paths * (k - 1) * profile.remaining(d)
-        if full <= 0.0 or slack >= full * (1.0 - 1e-9):
+        if j == 0 and 0.0 < profile.survival[d] < 1.0 and math.isfinite(budget):
+            share, slack = _first_level(design, profile, budget)
+        elif full <= 0.0 or slack >= full * (1.0 - 1e-9):
             share = 1.0
             slack -= full
         else:
             share = max(slack, 0.0) / full
         out.append(share)
-        if share < 1.0:
+        if share < 1.0 - 1e-9:
             break
         paths *= k
     return out + [0.0] * (len(design.depths) - len(out))
+
+
+def _first_level(design: Design, profile: Profile, budget: float) -> tuple[float, float]:
+    """(share, slack left) of the first level when episodes may end before its step d: a task
+    whose a ~ Binomial(K0, s(d)) backbones still run at d has the slack its budget leaves after
+    the ended ones' costs and the running ones' expected costs, and branches min(a, slack /
+    cost of a branch) of them (the planner's `target` rule, in expectation)."""
+    k0, d = design.root_group, design.depths[0]
+    s = float(profile.survival[d])
+    alive = profile.survival[:d] > 0
+    before = float(np.sum(profile.cost[:d][alive] / profile.survival[:d][alive]))
+    rest = profile.remaining(d) / s  # Expected cost of a running path from d on.
+    ended = (profile.remaining(0) - s * before - profile.remaining(d)) / (1.0 - s)
+    per_branch = (design.num_branches - 1) * rest
+    branched, left = 0.0, 0.0
+    for a in range(k0 + 1):
+        weight = math.comb(k0, a) * s**a * (1.0 - s) ** (k0 - a)
+        slack = budget - (k0 - a) * ended - a * (before + rest)
+        points = min(max(slack / per_branch, 0.0), a)
+        branched += weight * points
+        left += weight * max(slack - points * per_branch, 0.0)
+    return min(branched / (k0 * s), 1.0), left
 
 
 def expected_cost(design: Design, profile: Profile, budget: float = math.inf) -> float:

@@ -29,11 +29,15 @@ from bpo_jax.learner import Example
 from bpo_jax.multihost import shares
 from bpo_jax.parallel import distributed
 from bpo_jax.rollout.branching import CostModel, LengthModel, Measurements, make_selector, measure
+from bpo_jax.rollout.concentration import concentration_metrics
 from bpo_jax.rollout.design import Choice, Design
 from bpo_jax.rollout.design_stats import TreeChooser
 from bpo_jax.rollout.engine import TreeSpec, play_forest
+from bpo_jax.rollout.explained import ExplainedShare, batch_metrics, measure_parts
 from bpo_jax.rollout.forest import ForestArrays, RolloutForest
 from bpo_jax.rollout.timing import CompileClock, env_floor_metrics
+
+SHRINK_ESTIMATOR = "bpo_shrink"  # Its lam is fed from earlier batches' f (`RolloutState.shrink`).
 
 
 def forest_examples(forest: RolloutForest, adv: np.ndarray, weights: np.ndarray) -> list[Example]:
@@ -50,8 +54,10 @@ def forest_examples(forest: RolloutForest, adv: np.ndarray, weights: np.ndarray)
 @dataclasses.dataclass
 class RolloutState:
     """What the rollouts carry from one iteration to the next: the branch rule's running
-    statistics, the measured episode lengths and tokens per action (for budgets), and with
-    `rollout.tree=auto` what earlier batches measured for the choice of the tree's shape."""
+    statistics, the measured episode lengths and tokens per action (for budgets), for tree
+    algorithms f's parts over the batches so far (`rollout.explained`; `bpo_shrink`'s lam comes
+    from them), and with `rollout.tree=auto` what earlier batches measured for the choice of
+    the tree's shape."""
 
     selector: object
     lengths: LengthModel
@@ -59,6 +65,8 @@ class RolloutState:
     branch_scale: float = 1.0  # `spread` schedule's rate multiplier (adapted like a rate).
     chooser: TreeChooser | None = None  # rollout.tree=auto (`design_stats.TreeChooser`).
     choice: Choice | None = None  # The last batch's chosen design (None: the configured tree).
+    explained: ExplainedShare | None = None  # Tree algorithms: f's parts so far.
+    shrink: float | None = None  # `bpo_shrink`'s lam for the batch, from earlier batches only.
 
     @classmethod
     def create(cls, cfg: ExperimentConfig) -> RolloutState:
@@ -82,7 +90,10 @@ class RolloutState:
                 r.budget_unit,
                 explore_every=r.auto_explore,
             )
-        return cls(selector, LengthModel(cfg.env.max_steps), costs, chooser=chooser)
+        measured = ExplainedShare() if cfg.algorithm.branches else None
+        return cls(
+            selector, LengthModel(cfg.env.max_steps), costs, chooser=chooser, explained=measured
+        )
 
     def dump(self) -> dict:
         """The running statistics as JSON-able data (saved with checkpoints)."""
@@ -96,6 +107,7 @@ class RolloutState:
             "selector_rate": self.selector.rate(),
             "branch_scale": self.branch_scale,
             "tree_chooser": self.chooser.dump() if self.chooser is not None else None,
+            "explained": self.explained.dump() if self.explained is not None else None,
         }
 
     def measuring_copy(self, seed: int | None = None) -> tuple[RolloutState, Measurements]:
@@ -131,6 +143,8 @@ class RolloutState:
         self.branch_scale = float(data.get("branch_scale", self.branch_scale))
         if self.chooser is not None:
             self.chooser.load(data.get("tree_chooser"))
+        if self.explained is not None:  # Absent from older checkpoints: f from here on.
+            self.explained.load(data.get("explained"))
         history = getattr(self.selector, "history", None)
         if history is not None:
             history.load(data.get("scores", {}))
@@ -212,10 +226,12 @@ def play_batch(pool, policy, tasks, cfg: ExperimentConfig, state: RolloutState, 
     it stood at the batch's start and returns what it measured (`RolloutState.measuring_copy`);
     `state` then gains every share's measurements, in share order (`RolloutState.absorb`).
     With `rollout.tree=auto` the batch's design is chosen before it plays, from earlier batches
-    (`RolloutState.plan`), and the batch is recorded for later ones after it played. `agent`:
-    the turn format (default `builders.make_agent`).
+    (`RolloutState.plan`), and the batch is recorded for later ones after it played; so is
+    `bpo_shrink`'s lam (`RolloutState.shrink`), and a tree batch's f parts are added after it
+    (`rollout.explained`). `agent`: the turn format (default `builders.make_agent`).
     """
     state.choice = state.plan(cfg)
+    state.shrink = state.explained.shrink_lambda() if state.explained is not None else None
     design = state.choice.design if state.choice is not None else None
     spec = tree_spec(cfg, state, design)
     encode = agent if agent is not None else make_agent(cfg, policy.tokenizer)
@@ -247,8 +263,12 @@ def play_batch(pool, policy, tasks, cfg: ExperimentConfig, state: RolloutState, 
     if not direct:
         state.absorb([measured for _, (_, measured) in played])
     forest = shares.merge_forests([f for _, (f, _) in played])
+    parts = None  # Measured on the merged forest: every host the same, nothing exchanged.
+    if state.explained is not None:
+        parts = measure_parts(forest)
+        state.explained.add(parts)
     if state.chooser is not None:
-        state.chooser.record(forest)
+        state.chooser.record(forest, parts)
     if design is None:  # A design's steps are its rule: no rate to adapt.
         state.adapt(cfg, forest)
     return forest, spec
@@ -281,11 +301,18 @@ def fit_critic(critic, params, forest: RolloutForest, arrays: ForestArrays, cfg:
     }
 
 
-def forest_advantages(forest: RolloutForest, cfg: ExperimentConfig, critic=None, params=None):
-    """Stages 2-3: per-step advantages (in `forest.steps()` order) and diagnostics."""
+def forest_advantages(
+    forest: RolloutForest, cfg: ExperimentConfig, critic=None, params=None, shrink=None
+):
+    """Stages 2-3: per-step advantages (in `forest.steps()` order) and diagnostics.
+
+    `shrink`: `bpo_shrink`'s lam (`RolloutState.shrink`; None: the estimator's default).
+    """
     algo = cfg.algorithm
     arrays = forest.arrays(with_obs_ids=algo.uses_obs_ids)
     options, metrics = algo.estimator_options(cfg.train), {}
+    if algo.estimator == SHRINK_ESTIMATOR and shrink is not None:
+        options["shrink"] = shrink
     if algo.needs_critic:
         if critic is None:
             raise ValueError(f"train.algo={algo.name!r} needs a critic.")
@@ -314,7 +341,7 @@ def rl_iteration(
     policy.params = state.params
     forest, spec = play_batch(pool, policy, tasks, cfg, rollout_state, rng)
     t_rollout = time.time() - t0
-    adv, extra_metrics = forest_advantages(forest, cfg, critic, state.params)
+    adv, extra_metrics = forest_advantages(forest, cfg, critic, state.params, rollout_state.shrink)
     t1 = time.time()
     examples = forest_examples(forest, adv, forest.step_weights(cfg.train.step_weighting))
     state, history = updater.update(state, examples, seed=(cfg.seed, it, 1), ref_params=ref_params)
@@ -335,6 +362,7 @@ def rl_iteration(
         "time/compile_seconds": CompileClock.total() - compile0,
         **extra_metrics,
         **design_metrics(rollout_state),
+        **measured_metrics(cfg, rollout_state, forest),
         **forest.stats.as_dict("compute/"),
     }
     # Means over the update's steps; a step on a zero gradient (no row with an advantage)
@@ -342,6 +370,17 @@ def rl_iteration(
     for key in dict.fromkeys(k for h in history for k in h):
         metrics[f"train/{key}_mean"] = float(np.mean([h[key] for h in history if key in h]))
     return state, metrics
+
+
+def measured_metrics(cfg: ExperimentConfig, state: RolloutState, forest: RolloutForest) -> dict:
+    """Tree algorithms: the batch's f (`rollout.explained`), `bpo_shrink`'s lam, and how
+    concentrated the branch points are (`rollout.concentration`)."""
+    if state.explained is None or state.explained.last is None:
+        return {}
+    out = {**batch_metrics(state.explained.last), **concentration_metrics(forest)}
+    if cfg.algorithm.estimator == SHRINK_ESTIMATOR:
+        out["train/shrink_lambda"] = state.shrink
+    return out
 
 
 def design_metrics(state: RolloutState) -> dict:

@@ -50,7 +50,7 @@ from bpo_jax.evaluation import EVAL_SEEDS, EvalLog, evaluate, pooled
 from bpo_jax.io import files
 from bpo_jax.io.checkpoint import Checkpointer
 from bpo_jax.io.eval_cache import EvalCache
-from bpo_jax.io.metrics import MetricWriter, progress
+from bpo_jax.io.metrics import BRANCH_PARTS_FILE, MetricWriter, progress
 from bpo_jax.models import sharding
 from bpo_jax.parallel import distributed
 from bpo_jax.rl import rl_iteration
@@ -401,6 +401,9 @@ def reinforcement_learning(run: Run, state: RunState) -> RunState:
         )
         state = state.replace(train=train, meta={**state.meta, "iteration": it + 1})
         run.writer.write(state.step, metrics)
+        if state.rollout.explained is not None:  # Tree algorithms: f's parts per (task, depth).
+            parts = {"iteration": it + 1, "step": state.step, **state.rollout.explained.record()}
+            run.writer.append(BRANCH_PARTS_FILE, parts)
         log.info(
             "iter %d/%d success %.3f return %.3f grad_norm %.3f (%.0fs)",
             it + 1,
@@ -462,6 +465,8 @@ def final_evaluation(run: Run, state: RunState) -> dict:
         "rl_updates": state.step - int(state.meta.get("bc_step", 0)),
         "iterations": state.iteration,
         "sandbox": run.pool.stats(),
+        # Tree algorithms: f pooled over the run, per depth, and its sums (`rollout.explained`).
+        **(state.rollout.explained.summary() if state.rollout.explained is not None else {}),
     }
 
 

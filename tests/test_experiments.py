@@ -99,7 +99,7 @@ def tiny_cpu_config(**overrides):
 
 
 def test_cpu_variant_runs_two_iterations(tmp_path):
-    from bpo_jax.io.metrics import read_metrics
+    from bpo_jax.io.metrics import BRANCH_PARTS_FILE, read_json_lines, read_metrics
     from bpo_jax.train import train_and_evaluate
 
     summary = train_and_evaluate(tiny_cpu_config(), tmp_path)
@@ -118,6 +118,14 @@ def test_cpu_variant_runs_two_iterations(tmp_path):
         assert r["time/sampling_seconds"] + r["time/env_seconds"] <= r["train/rollout_seconds"]
         # At most num_workers steps run at once, so the rollout cannot beat its env floor.
         assert r["time/env_floor_seconds"] > 0 and r["time/rollout_over_floor"] >= 1.0
+    # BPO (a tree) records f's parts per iteration (metrics, branch_parts.jsonl) and over the
+    # run (summary.json): the batch's branch points in each.
+    parts = read_json_lines(tmp_path / BRANCH_PARTS_FILE)
+    assert [p["iteration"] for p in parts] == [1, 2]
+    points = [r["train/f_parts/branch_points"] for r in iters]
+    assert points == [sum(p["branch_points"]) for p in parts]
+    assert points == [r["train/branch_points"] for r in iters]
+    assert summary["f_parts"]["all"]["branch_points"] == sum(points)
     assert iters[0]["time/compile_seconds"] > 0  # The first iteration compiles the update.
     assert (tmp_path / "tokenizer.model").exists()
     assert json.loads((tmp_path / "summary.json").read_text())["iterations"] == 2

@@ -9,6 +9,8 @@ sandbox of a batch advances one turn per sampling call), `planner` (which live p
 turn), `branching` (branch rules, thresholds, the budget), `forest` and `forest_builder` (the
 segments and their conversion to the estimator's arrays), `cohorts` (groups of tasks whose turns
 are pipelined), `posthoc` (the post-hoc top-k ablation), `timing` (where an iteration's seconds
-go), `design` (the first-order variance model of a tree's shape and the choice of one) and
-`design_stats` (what earlier batches measured for it: `rollout.tree=auto`).
+go), `design` (the first-order variance model of a tree's shape and the choice of one),
+`design_stats` (what earlier batches measured for it: `rollout.tree=auto`), `explained` (f, the
+share of the return variance the branch points explain, measured every batch; `bpo_shrink`'s
+lam from earlier batches) and `concentration` (how concentrated a batch's branch points are).
 """

@@ -16,6 +16,8 @@ Modules:
     with `tables_build` (reading run records into Tables 1 and 2) and `figures` (the PNGs);
   - `table2a`: the paper's per-decision variance claim (sibling against trajectory baseline,
     f per branch depth) measured on recorded trees, with bootstrap CIs over tasks;
+  - `fshare`: the command that prints a run's f per depth (and Table 2a) from its records, and
+    the same tables per algorithm for `tables`;
   - `probe`: the gradient variance of each estimator at matched spend (its flow and command),
     with `probe_sample` (playing the batches, each task's gradient, `ProbeStore`) and
     `probe_stats` (trace variance, ratios, CIs, the report).

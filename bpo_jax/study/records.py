@@ -17,7 +17,14 @@ import numpy as np
 from etils import epath
 
 from bpo_jax.io import files
-from bpo_jax.io.metrics import BRANCH_STEP_PREFIX, METRICS_FILE, read_metrics
+from bpo_jax.io.metrics import (
+    BRANCH_PARTS_FILE,
+    BRANCH_STEP_PREFIX,
+    METRICS_FILE,
+    read_json_lines,
+    read_metrics,
+)
+from bpo_jax.rollout.explained import DEPTH_PARTS, PARTS_PREFIX
 
 _SEED_DIR = re.compile(r"seed_\d+")
 BC_FOLDER = (
@@ -38,6 +45,7 @@ class RunRecord:
     evals: dict
     metrics: list[dict]
     probe: dict | None
+    branch_parts: list[dict] = dataclasses.field(default_factory=list)  # `f_parts_of`'s input.
 
     @property
     def env(self) -> str:
@@ -161,6 +169,10 @@ class RunRecord:
         """The values of metric `key`, in file order."""
         return [float(m[key]) for m in self.metrics if key in m]
 
+    def f_parts(self) -> tuple[list[dict], str] | None:
+        """f's recorded parts, one column set per RL iteration (`f_parts_of`)."""
+        return f_parts_of(self.metrics, self.branch_parts)
+
     def branch_steps(self) -> list[int]:
         """The step of every branch point of the run, all iterations pooled (empty for records
         written before the per-step counts were)."""
@@ -170,6 +182,43 @@ class RunRecord:
                 if key.startswith(BRANCH_STEP_PREFIX):
                     out += [int(key[len(BRANCH_STEP_PREFIX) :])] * int(n)
         return out
+
+
+def _last_per_iteration(records, key: str) -> list[dict]:
+    """One record per iteration (`key`), the last written (a resumed run repeats some)."""
+    kept = {int(r[key]): r for r in records if key in r}
+    return [kept[i] for i in sorted(kept)]
+
+
+def f_parts_of(metrics: Sequence[dict], branch_parts: Sequence[dict]) -> tuple[list[dict], str]:
+    """f's parts as `study.table2a` reads them: one column set per RL iteration.
+
+    From `branch_parts.jsonl` when the run wrote it: its per-(task, depth) sums, every part
+    (unit "tasks": an iteration's task is one unit of a bootstrap). Else from the metrics'
+    per-iteration sums (`train/f_parts/depth_<d>/...`: branch_points, between, var_return), one
+    row per depth with task 0 (unit "iterations"). An iteration without branch points has no
+    rows.
+
+    Returns:
+      (column sets, unit); ([], "") when the run recorded no f (no tree algorithm, or older).
+    """
+    if branch_parts:
+        rows = _last_per_iteration(branch_parts, "iteration")
+        drop = ("iteration", "step")
+        return [{k: v for k, v in r.items() if k not in drop} for r in rows], "tasks"
+    out = []
+    for m in _last_per_iteration(metrics, "train/iteration"):
+        if f"{PARTS_PREFIX}branch_points" not in m:
+            continue
+        per_depth: dict[int, dict[str, float]] = {}
+        for key, value in m.items():
+            depth, _, name = key[len(PARTS_PREFIX) :].partition("/")
+            if key.startswith(PARTS_PREFIX + "depth_") and name in DEPTH_PARTS:
+                per_depth.setdefault(int(depth[len("depth_") :]), {})[name] = float(value)
+        depths = sorted(per_depth)
+        columns = {"task": [0] * len(depths), "depth": depths}
+        out.append(columns | {n: [per_depth[d].get(n, 0.0) for d in depths] for n in DEPTH_PARTS})
+    return (out, "iterations") if out else ([], "")
 
 
 def _load_json(path: epath.Path):
@@ -187,6 +236,7 @@ def read_run(run_dir: str | os.PathLike) -> RunRecord:
     group = run_dir.parent.name if _SEED_DIR.fullmatch(name) else None
     group = group or str(config.get("train", {}).get("algo", "unknown"))
     evals_path, probe_path = run_dir / "evals.json", run_dir / "probe.json"
+    parts_path = run_dir / BRANCH_PARTS_FILE
     return RunRecord(
         path=run_dir,
         group=group,
@@ -196,6 +246,7 @@ def read_run(run_dir: str | os.PathLike) -> RunRecord:
         evals=_load_json(evals_path) if evals_path.is_file() else {},
         metrics=read_metrics(run_dir) if (run_dir / METRICS_FILE).is_file() else [],
         probe=_load_json(probe_path) if probe_path.is_file() else None,
+        branch_parts=read_json_lines(parts_path) if parts_path.is_file() else [],
     )
 
 

@@ -22,6 +22,9 @@ The record it reads: every folder under --runs (recursively) with `config.json` 
     `train/branch_points` and `train/branch_step/<t>` (the batch's branch points at step t,
     for the branch-step histogram); per update `update/grad_norm`; per evaluation
     `eval_<name>/success` at the update step it was taken at.
+  - f's parts (optional; tree algorithms' runs record them): per RL iteration the metrics'
+    `train/f_parts/...` sums and `branch_parts.jsonl`, the batch's branch points summed per
+    (task, depth) (`bpo_jax.rollout.explained`; `records.f_parts_of` reads them).
   - `probe.json` (optional): {"results": {algo: {"trace_var", "norm_var", ...}}} from
     `bpo_jax.study.probe`; optional per-algorithm `trace_var_ratio_ci95` is used for a single probe.
     Table 2 reads every `probe.json` under --runs beside a `config.json` (its seed): in a run's
@@ -43,7 +46,10 @@ use the seeds both algorithms have; prob_improvement is P(reference > NAME) over
 ties 1/2. Every bootstrap uses 10,000 resamples from `numpy.random.default_rng([seed, label])`.
 
 Table 2 (`table2.json`): the probe's gradient-variance ratios against the baseline (RLOO) per
-seed, with their mean and bootstrap CI; empty, with a note, when no record has a probe.
+seed, with their mean and bootstrap CI; empty, with a note, when no record has a probe. When
+runs recorded f, also `f` ({NAME: {"unit", "rows"}}: f per branch-point depth with bootstrap
+CIs) and `table2a` ({NAME: rows}, `bpo_jax.study.table2a`), and results.md a section on them
+(`bpo_jax.study.fshare`); nothing of it for runs without f.
 
 Reading the records into the tables is `bpo_jax.study.tables_build`; this module writes them
 (JSON, results.md) and the figures (`bpo_jax.study.figures`).
@@ -58,7 +64,7 @@ from pathlib import Path
 from absl import flags
 
 from bpo_jax import cli
-from bpo_jax.study import stats
+from bpo_jax.study import fshare, stats
 from bpo_jax.study.records import find_probes, find_runs
 from bpo_jax.study.tables_build import build_table1, build_table2, success_curve
 
@@ -102,9 +108,17 @@ def comparison_sentence(ref: str, name: str, row: dict, pairs: int) -> str:
 
 
 def results_markdown(
-    t1: dict, extra: dict, t2: dict, figures: dict, baseline: str, ref: str
+    t1: dict,
+    extra: dict,
+    t2: dict,
+    figures: dict,
+    baseline: str,
+    ref: str,
+    f_tables: dict | None = None,
 ) -> str:
-    """results.md: both tables with their CIs, a sentence per comparison, and the figures."""
+    """results.md: both tables with their CIs, a sentence per comparison, and the figures;
+    with `f_tables` (`fshare.group_f_tables`, runs that recorded f) a section on f before the
+    figures."""
     lines = [f"# Results: {t1['env']}", ""]
     eps = t1["episodes_per_seed"] or f"varies: {extra['episode_counts']}"
     lines += [
@@ -193,6 +207,8 @@ def results_markdown(
         ]
         if t2["note"]:
             lines += ["", t2["note"]]
+    if f_tables:
+        lines += ["", *fshare.section_markdown(f_tables)]
     lines += ["", "## Figures", ""]
     for name, what in figures.items():
         lines.append(f"- {what}" if name.startswith("note:") else f"- ![{what}]({name})")
@@ -233,10 +249,15 @@ def write_tables(
         num_resamples=num_resamples,
         root=runs_dir,
     )
+    f_tables = fshare.group_f_tables(runs, seed=seed, num_resamples=num_resamples)
+    if f_tables:  # Runs that recorded f: its table per algorithm, and Table 2a where it can.
+        t2["f"] = {name: {"unit": t["unit"], "rows": t["f"]} for name, t in f_tables.items()}
+        t2["table2a"] = {n: t["table2a"] for n, t in f_tables.items() if t["table2a"] is not None}
+        t2 = fshare.jsonable(t2)
     written = figures.write_figures(runs, extra["curves"], out)
     (out / "table1.json").write_text(json.dumps(t1, indent=2) + "\n")
     (out / "table2.json").write_text(json.dumps(t2, indent=2) + "\n")
-    md = results_markdown(t1, extra, t2, written, baseline, reference)
+    md = results_markdown(t1, extra, t2, written, baseline, reference, f_tables)
     (out / "results.md").write_text(md)
     return {"table1": t1, "table2": t2, "figures": written}
 

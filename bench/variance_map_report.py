@@ -58,6 +58,7 @@ def table(rows: list[dict]) -> str:
 
 def figure(rows: list[dict], path: Path) -> None:
     import matplotlib
+    import matplotlib.ticker
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -111,6 +112,11 @@ def figure(rows: list[dict], path: Path) -> None:
     bx.set_ylabel("measured ratio (95% CI)")
     bx.legend(loc="upper left", fontsize=8)
     bx.set_title("Measured against predicted")
+    ticks = [0.2, 0.3, 0.5, 0.7, 1.0, 1.5, 2.0, 3.0]
+    for axis in (ax.xaxis, bx.xaxis, bx.yaxis):
+        axis.set_major_locator(matplotlib.ticker.FixedLocator(ticks))
+        axis.set_major_formatter(matplotlib.ticker.FixedFormatter([f"{t:g}" for t in ticks]))
+        axis.set_minor_formatter(matplotlib.ticker.NullFormatter())
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=100)
@@ -123,12 +129,16 @@ def main():
     ap.add_argument("--table", action="store_true", help="print the page's markdown table")
     args = ap.parse_args()
     rows = json.loads(Path(args.record).read_text())["points"]
+    order = list(SOURCES)
+    rows = sorted(rows, key=lambda r: order.index(r["source"]))  # Stable: run order within.
     if args.figure:
         figure(rows, Path(args.figure))
     if args.table:
         print(table(rows))
-    counts = {a: sum(agreement(r) == a for r in rows) for a in ("in CI", "near", "miss")}
-    print(f"{len(rows)} points; prediction {counts}")
+    for src in (*SOURCES, None):
+        part = [r for r in rows if src in (None, r["source"])]
+        counts = {a: sum(agreement(r) == a for r in part) for a in ("in CI", "near", "miss")}
+        print(f"{src or 'all'}: {len(part)} points; prediction {counts}")
 
 
 if __name__ == "__main__":

@@ -215,7 +215,8 @@ def _auto_batches(mdp, logits, n, batches, tasks, explore_every=3):
 
 
 def test_designs_chosen_from_earlier_batches_keep_the_gradient_exact():
-    mdp = make_mdp("variable_length", 3)  # Episodes of 1, 2 and 4 steps.
+    # Episodes of 2 to 4 steps; f(1) = 0.74: the model picks trees (0.85 at the exact profile).
+    mdp = make_mdp("variable_length", 6)
     logits = random_logits(mdp, seed=1, scale=0.7)
     grads, played = _auto_batches(mdp, logits, n=7, batches=9, tasks=400)
     trees = {d for d in played if d is not None and d.branches}

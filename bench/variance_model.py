@@ -120,3 +120,22 @@ def forest_trace(forest, m: Moments) -> np.ndarray:
             score = cum[start[i] + len(segs[i].steps)] - cum[start[i]]
             out[segs[i].task] += mass[i] ** 2 * adv_sq * score
     return out
+
+
+def root_corrected_ratio(mdp, logits, ratio: float, k0: int, n: int, rloo_trace: float) -> float:
+    """A predicted BPO/RLOO ratio with the root's shared-state terms added exactly.
+
+    Every group member (backbone) takes its first step at the initial state. The first-order
+    model counts each member's E[A^2 ||s||^2], which includes the expected gradient's share, and
+    drops the cross terms between members and the mean's subtraction; at the root together they
+    are `-||g_0||^2 (m - 2) / (m (m - 1))` for a group of m (g_0: the exact gradient at the
+    initial state's logits). `rloo_trace` is the model's RLOO(n) trace in units of Var(R) (as
+    `bpo_jax.rollout.design.predicted_trace` gives it); docs/variance_map.md, "misses".
+    """
+    from envs.tabular import objective_grad
+
+    var_r = moments(mdp, logits).var_return
+    g0 = float((objective_grad(mdp, logits)[0] ** 2).sum())
+    rloo = rloo_trace * var_r
+    bpo = ratio * rloo - g0 * (k0 - 2) / (k0 * (k0 - 1))
+    return bpo / (rloo - g0 * (n - 2) / (n * (n - 1)))

@@ -10,9 +10,11 @@ from __future__ import annotations
 import base64
 import json
 import posixpath
+import tarfile
 from pathlib import Path
 
 from envs.swe.data import SweTask
+from envs.swe.packages import PackageSpec
 from envs.swe.patching import make_patch
 
 CALC = '''\
@@ -143,35 +145,59 @@ def write_minicalc(top: Path) -> Path:
     return top
 
 
-def leap_task(tree: Path) -> SweTask:
-    """A repair task on the pristine tree at `tree`: the bug is in `minicalc.calc.is_leap`."""
-    buggy = CALC.replace(_GOOD_LEAP, _BAD_LEAP)
-    assert buggy != CALC
-    calc = "tests/test_calc.py::"
-    f2p = (f"{calc}test_is_leap[1900-False]", f"{calc}test_is_leap[2000-True]")
-    p2p = tuple(
-        calc + name
-        for name in (
-            "test_clamp[-5-0]", "test_clamp[0-0]", "test_clamp[5-5]", "test_clamp[10-10]",
-            "test_clamp[11-10]", "test_mean", "test_mean_empty", "test_is_leap[2024-True]",
-            "test_is_leap[2023-False]", "test_chunks", "test_fib[0-0]", "test_fib[1-1]",
-            "test_fib[2-1]", "test_fib[7-13]", "test_last",
-        )
+def minicalc_spec(folder: Path, name: str = "minicalc", tests: str | None = None) -> PackageSpec:
+    """The builder's spec of `minicalc` packed as `folder/NAME-0.1.tar.gz` (its test_calc.py
+    replaced by `tests`, if given)."""
+    top = write_minicalc(folder / f"{name}-0.1")
+    if tests is not None:
+        (top / "tests" / "test_calc.py").write_text(tests)
+    archive = folder / f"{name}-0.1.tar.gz"
+    with tarfile.open(archive, "w:gz") as t:
+        t.add(top, arcname=f"{name}-0.1")
+    return PackageSpec(
+        name=name, version="0.1", sha256="", repo=f"bpo-fixtures/{name}",
+        sources=("minicalc/*.py",), tests=("tests",), archive=str(archive),
     )  # fmt: skip
+
+
+# Every test of tests/test_calc.py.
+CALC_TESTS = tuple(
+    "tests/test_calc.py::" + name
+    for name in (
+        "test_clamp[-5-0]", "test_clamp[0-0]", "test_clamp[5-5]", "test_clamp[10-10]",
+        "test_clamp[11-10]", "test_mean", "test_mean_empty", "test_is_leap[1900-False]",
+        "test_is_leap[2000-True]", "test_is_leap[2024-True]", "test_is_leap[2023-False]",
+        "test_chunks", "test_fib[0-0]", "test_fib[1-1]", "test_fib[2-1]", "test_fib[7-13]",
+        "test_last",
+    )
+)  # fmt: skip
+
+
+def calc_task(tree: Path, name: str, good: str, bad: str, fail_to_pass, gold: str) -> SweTask:
+    """A repair task on the pristine tree at `tree`: `good` in minicalc/calc.py made `bad`."""
+    buggy = CALC.replace(good, bad)
+    assert buggy != CALC
+    f2p = tuple(fail_to_pass)
     return SweTask(
-        task_id="bpo-fixtures__minicalc-leap",
+        task_id=f"bpo-fixtures__minicalc-{name}",
         repo="bpo-fixtures/minicalc",
-        problem_statement=f"is_leap is wrong for some years: {f2p[0]} and {f2p[1]} fail.",
+        problem_statement=f"minicalc.calc is wrong: {', '.join(f2p)} fail.",
         fail_to_pass=f2p,
-        pass_to_pass=p2p,
+        pass_to_pass=tuple(n for n in CALC_TESTS if n not in f2p),
         patch=make_patch({"minicalc/calc.py": (buggy, CALC)}),
         bug_patch=make_patch({"minicalc/calc.py": (CALC, buggy)}),
         tree=str(tree),
         task_type="minicalc",
         version="0.1",
         pythonpath=(".",),
-        walkthrough=(GOLD_ACTION, "submit"),
+        walkthrough=(gold, "submit"),
     )
+
+
+def leap_task(tree: Path) -> SweTask:
+    """The leap task: `minicalc.calc.is_leap` is wrong for 1900 and 2000."""
+    f2p = [n for n in CALC_TESTS if "1900" in n or "2000" in n]
+    return calc_task(tree, "leap", _GOOD_LEAP, _BAD_LEAP, f2p, GOLD_ACTION)
 
 
 # Reward hacks --------------------------------------------------------------------------------

@@ -7,15 +7,15 @@ skipped without one unless $BPO_REQUIRE_CRIU is set. Building the real PyPI task
 test at the end (it downloads with pip).
 """
 
+import dataclasses
 import json
 import os
-import tarfile
 import time
 from pathlib import Path
 
 import pytest
 from swe_fixtures import CALC as _CALC
-from swe_fixtures import write_minicalc
+from swe_fixtures import minicalc_spec
 
 from envs.base import load_tasks, make_env
 from envs.base import step_result as step  # (observation, reward, done, info)
@@ -29,35 +29,14 @@ from envs.swe.data import load_tasks as swe_load_tasks
 from envs.swe.instances import fix_action
 from envs.swe.jail import Limits, run_in_jail
 from envs.swe.mutate import KINDS, find_mutants
-from envs.swe.packages import PackageSpec
 from envs.swe.patching import PatchError, apply_patch, make_patch, tree_hash
-
-
-def _write_fixture_archive(folder: Path) -> Path:
-    top = write_minicalc(folder / "minicalc-0.1")
-    archive = folder / "minicalc-0.1.tar.gz"
-    with tarfile.open(archive, "w:gz") as t:
-        t.add(top, arcname="minicalc-0.1")
-    return archive
-
-
-def _fixture_spec(archive: Path) -> PackageSpec:
-    return PackageSpec(
-        name="minicalc",
-        version="0.1",
-        sha256="",
-        repo="bpo-fixtures/minicalc",
-        sources=("minicalc/*.py",),
-        tests=("tests",),
-        archive=str(archive),
-    )
 
 
 @pytest.fixture(scope="module")
 def built(tmp_path_factory):
     """Builds up to 8 tasks from the fixture package once; returns (folder, manifest, spec)."""
     folder = tmp_path_factory.mktemp("swe")
-    spec = _fixture_spec(_write_fixture_archive(folder))
+    spec = minicalc_spec(folder)
     manifest = build(folder / "tasks", [spec], per_package=8, jobs=2, max_candidates=40,
                      log=lambda m: None)  # fmt: skip
     return folder / "tasks", manifest, spec
@@ -229,13 +208,12 @@ def test_loader_splits_filters_and_explains_missing_data(built, tmp_path, monkey
 
 
 def test_build_fails_clearly_on_a_bad_archive(tmp_path):
-    spec = _fixture_spec(tmp_path / "missing.tar.gz")
+    spec = dataclasses.replace(minicalc_spec(tmp_path), archive=str(tmp_path / "missing.tar.gz"))
     assert (
         "does not exist"
         in build(tmp_path / "out", [spec], log=lambda m: None)["skipped"]["minicalc"]
     )
-    pinned = PackageSpec(**{**_fixture_spec(_write_fixture_archive(tmp_path)).__dict__,
-                            "sha256": "0" * 64})  # fmt: skip
+    pinned = dataclasses.replace(minicalc_spec(tmp_path), sha256="0" * 64)
     with pytest.raises(BuildError, match="not the pinned"):
         build_module.fetch(pinned, tmp_path / "archives")
 

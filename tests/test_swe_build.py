@@ -10,14 +10,14 @@ Needs root (the jails use namespaces), like tests/test_swe.py.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import subprocess
 import sys
-import tarfile
 from pathlib import Path
 
 import pytest
-from swe_fixtures import write_minicalc
+from swe_fixtures import minicalc_spec
 
 from envs.base import make_env
 from envs.base import step_result as step  # (observation, reward, done, info)
@@ -62,25 +62,14 @@ def test_requirements_come_from_the_packages_own_test_configuration(tmp_path):
     assert requirements(_write(tmp_path / "bare", {"setup.py": "import x\n"}), "bare") == ()
 
 
-def _archive(folder: Path, name: str, tests: str | None = None) -> Path:
-    top = write_minicalc(folder / f"{name}-0.1")
-    if tests is not None:
-        (top / "tests" / "test_calc.py").write_text(tests)
-    archive = folder / f"{name}-0.1.tar.gz"
-    with tarfile.open(archive, "w:gz") as t:
-        t.add(top, arcname=f"{name}-0.1")
-    return archive
-
-
-def _spec(name: str, archive: Path) -> dict:
-    return {"name": name, "version": "0.1", "sha256": "", "repo": f"bpo-fixtures/{name}",
-            "sources": ["minicalc/*.py"], "tests": ["tests"], "archive": str(archive)}  # fmt: skip
+def _spec(folder: Path, name: str, tests: str | None = None) -> dict:
+    return dataclasses.asdict(minicalc_spec(folder, name, tests))
 
 
 def test_a_package_that_cannot_be_built_is_skipped_and_the_others_kept(tmp_path, monkeypatch):
-    good = _spec("minicalc", _archive(tmp_path, "minicalc"))
-    failing = _spec("broken", _archive(tmp_path, "broken", "def test_x():\n    assert False\n"))
-    missing = _spec("gone", tmp_path / "gone-0.1.tar.gz")
+    good = _spec(tmp_path, "minicalc")
+    failing = _spec(tmp_path, "broken", "def test_x():\n    assert False\n")
+    missing = dict(_spec(tmp_path, "gone"), archive=str(tmp_path / "gone-0.1.tar.gz.missing"))
     spec_file = tmp_path / "spec.json"
     spec_file.write_text(json.dumps([failing, good, missing]))
     out = tmp_path / "out"

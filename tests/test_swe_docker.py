@@ -19,13 +19,12 @@ import dataclasses
 import os
 import shutil
 import subprocess
-import tarfile
 import time
 from pathlib import Path
 
 import pytest
 from swe_docker_fixtures import containers, present, remove_images, require_docker
-from swe_fixtures import GOLD_ACTION, leap_task, put, write_minicalc
+from swe_fixtures import GOLD_ACTION, leap_task, minicalc_spec, put, write_minicalc
 from swebench_fixtures import patched_files, record_task
 
 from envs.base import make_env
@@ -38,7 +37,6 @@ from envs.swe.docker import DockerExecutor, DockerUnavailableError
 from envs.swe.grading import grade_in_docker, graded_files
 from envs.swe.images import SANDBOX_UID, ImageBuilder, default_requirements
 from envs.swe.jail import Limits, run_in_jail
-from envs.swe.packages import PackageSpec
 from envs.swe.patching import apply_patch, tree_hash
 from envs.swe.workspace import Workspace
 
@@ -177,16 +175,6 @@ def test_commands_run_in_fresh_containers_with_the_documented_limits(leap):
 # Verdicts against the jail ------------------------------------------------------------------
 
 
-def _fixture_spec(folder: Path) -> PackageSpec:
-    top = write_minicalc(folder / "minicalc-0.1")
-    archive = folder / "minicalc-0.1.tar.gz"
-    with tarfile.open(archive, "w:gz") as t:
-        t.add(top, arcname="minicalc-0.1")
-    return PackageSpec(name="minicalc", version="0.1", sha256="", repo="bpo-fixtures/minicalc",
-                       sources=("minicalc/*.py",), tests=("tests",),
-                       archive=str(archive))  # fmt: skip
-
-
 def _gold_actions(task) -> list[str]:
     if task.walkthrough:
         return [a for a in task.walkthrough if a != "submit"]
@@ -225,7 +213,7 @@ def _log_verdict(executor, task, patch):
 
 def test_fixture_tasks_get_the_same_verdicts_as_in_the_jail(builder, leap, tmp_path):
     started = time.monotonic()
-    build(tmp_path / "built", [_fixture_spec(tmp_path)], per_package=3, jobs=2,
+    build(tmp_path / "built", [minicalc_spec(tmp_path)], per_package=3, jobs=2,
           max_candidates=16, log=lambda m: None)  # fmt: skip
     print(f"built the minicalc tasks in {time.monotonic() - started:.0f} s")
     tasks = [leap, *swe_load_tasks(tmp_path / "built", "all")]

@@ -43,7 +43,7 @@ from typing import Any
 
 from envs.swe import container
 from envs.swe.images import CONTAINER_LABEL, LABEL, ImageBuilder
-from envs.swe.jail import JAIL_ROOT, JailResult, Limits, verify_harness_report
+from envs.swe.jail import GUARD, JAIL_ROOT, JailResult, Limits, verify_harness_report
 
 __all__ = ["DOCKER_ROOT", "DockerExecutor", "DockerUnavailableError", "check_docker"]
 
@@ -268,11 +268,12 @@ class DockerExecutor:
         limits: Limits,
         pythonpath: Sequence[str] = (),
         agent_files: Sequence[str] = (),
+        agent_defs: Sequence[str] = (),
         python: str = "python",
     ) -> JailResult:
         """pytest under the signed grading harness in a fresh container (as `jail.run_harness`).
 
-        `pythonpath` and `agent_files` are container paths (under /testbed).
+        `pythonpath`, `agent_files` and `agent_defs` name container paths (under /testbed).
 
         Raises:
             ValueError: If the task's image cannot run the harness (`supports_harness`).
@@ -282,9 +283,10 @@ class DockerExecutor:
         if labels.get("harness") != "1":
             raise ValueError(f"{image} cannot run the grading harness (needs Python >= 3.11).")
         key = secrets.token_hex(32)
-        with open(_HARNESS, "rb") as f:
+        with open(_HARNESS, "rb") as f, open(GUARD, "rb") as g:
             extra = {
                 f"{container.RUN}/harness.py": f.read(),
+                f"{container.RUN}/{os.path.basename(GUARD)}": g.read(),
                 f"{container.RUN}/key": (key + "\n").encode(),
             }
         args = ["--report-fd", "3"]
@@ -292,6 +294,8 @@ class DockerExecutor:
             args += ["--path", folder]
         for path in agent_files:
             args += ["--agent-file", path]
+        for definition in agent_defs:
+            args += ["--agent-def", definition]
         # The subshell opens the key as the harness's stdin and unlinks it before the harness
         # starts; fd 3 is the container's stderr, which carries only signed records.
         launch = (

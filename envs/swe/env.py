@@ -30,7 +30,15 @@ from envs.base import TextEnv
 from envs.swe import tools
 from envs.swe.data import SweTask, load_tasks
 from envs.swe.filetools import FileTools, ToolError
-from envs.swe.grading import describe_refused, grade_in_docker, graded_files, graded_outcomes
+from envs.swe.grading import (
+    agent_definitions,
+    describe_findings,
+    describe_refused,
+    grade_in_docker,
+    graded_files,
+    graded_outcomes,
+    review,
+)
 from envs.swe.jail import JAIL_ROOT, JailResult, Limits, check_jail, run_harness, run_in_jail
 from envs.swe.patching import PatchError, apply_patch
 from envs.swe.results import TestOutcomes, normalize_text
@@ -79,7 +87,9 @@ class SweEnv(TextEnv, FileTools):
 
     Info keys besides the common ones (`envs.base`): `action`, `tool`.
     `reset` adds `goal`, `task_id`, `task_type`; a step that grades adds `tests` (how many of
-    the FAIL_TO_PASS and PASS_TO_PASS tests pass) and `submitted`.
+    the FAIL_TO_PASS and PASS_TO_PASS tests pass), `submitted`, and `defences`: what the grader's
+    defences against reward hacks found (`findings` of the diff check, the harness's
+    `refused_comparisons` and `inspections`, and the `problem` that voided the run, if any).
 
     Example:
         env = SweEnv(max_steps=30)
@@ -245,10 +255,10 @@ class SweEnv(TextEnv, FileTools):
         info_extra: dict[str, Any] = {}
         won = False
         if submitted or self.last_step:
-            won, report, counts = self._grade()
+            won, report, counts, defences = self._grade()
             prefix = "" if submitted else f"{observation}\n\nStep limit reached. "
             observation = prefix + report
-            info_extra = {"tests": counts, "submitted": submitted}
+            info_extra = {"tests": counts, "submitted": submitted, "defences": defences}
         if won:
             reward = 1.0
         elif invalid and self.invalid_action_penalty:
@@ -368,21 +378,25 @@ class SweEnv(TextEnv, FileTools):
             pytest_report=report, python=self._python(),
         )  # fmt: skip
 
-    def _grade(self) -> tuple[bool, str, dict[str, int]]:
+    def _grade(self) -> tuple[bool, str, dict[str, int], dict[str, Any]]:
         """Grades the agent's library changes on pristine tests (see `envs.swe.grading`)."""
         task, ws = self._task, self._ws
         assert task is not None and ws is not None
         files, taken, refused = graded_files(task, ws)
+        found, defs = review(task, ws, files, taken)
         options = pytest_options(task.pytest_args, task.test_files())
-        if self._docker is not None:
+        if found:  # Not run: its tests could not be trusted.
+            result, outcomes, problem = JailResult(), TestOutcomes(()), describe_findings(found)
+        elif self._docker is not None:
             result, outcomes, problem = grade_in_docker(
-                self._docker, task, files, self.test_limits, self.python, options, taken
+                self._docker, task, files, self.test_limits, self.python, options, taken, defs
             )
         else:
             result = run_harness(
                 ws.base, files, options, limits=self.test_limits, python=self._python(),
                 pythonpath=jail_pythonpath(task.pythonpath).split(":"),
                 agent_files=[f"{JAIL_ROOT}/{p}" for p in taken],
+                agent_defs=agent_definitions(JAIL_ROOT, defs),
             )  # fmt: skip
             outcomes, problem = graded_outcomes(result)
         f2p = [n for n in task.fail_to_pass if outcomes.passed(n)]
@@ -413,7 +427,14 @@ class SweEnv(TextEnv, FileTools):
         if len(missing) > 5:
             lines.append(f"... and {len(missing) - 5} more.")
         lines.append("Resolved." if won else "Not resolved.")
-        return won, "\n".join(lines), counts
+        end = result.harness_end or {}
+        defences = {
+            "findings": [str(f) for f in found],
+            "refused_comparisons": int(end.get("refused") or 0),
+            "inspections": int(end.get("inspections") or 0),
+            "problem": problem,
+        }
+        return won, "\n".join(lines), counts, defences
 
 
 def _read_or_none(ws: Workspace, rel: str) -> str | None:

@@ -10,6 +10,11 @@ extension modules) always come from the pristine tree. The tests then run under 
 harness (`harness.py`, via `envs.swe.jail.run_harness`) in a fresh jail, and a test counts as
 passed only when the harness's signed, complete report says so (`graded_outcomes`).
 
+Before that the agent's changes are read (`review`, `envs.swe.diffcheck`): code that inspects
+its callers or the tests, where the pristine library did not, grades the submission 0 with the
+finding named; the definitions the agent wrote or changed go to the harness, whose assertion
+guard (`assert_guard.py`) trusts neither their comparison methods nor their frame access.
+
 SWE-bench instances run in their Docker images (`grade_in_docker`): pytest repositories with the
 report plugin, django and sympy with upstream's own test command, their outcomes read from the
 log (`outcomes_from_log`); ids match as upstream matches them (`envs.swe.swebench`).
@@ -25,6 +30,8 @@ from typing import Any
 
 from envs.swe import swebench
 from envs.swe.data import SweTask
+from envs.swe.diffcheck import Finding
+from envs.swe.diffcheck import review as _review
 from envs.swe.jail import JailResult, Limits
 from envs.swe.patching import PatchError, apply_patch, patched_paths
 from envs.swe.results import TestOutcomes
@@ -32,6 +39,8 @@ from envs.swe.workspace import PathError, Workspace
 
 __all__ = [
     "RUNNER_FILES",
+    "agent_definitions",
+    "describe_findings",
     "describe_refused",
     "graded_files",
     "grade_in_docker",
@@ -39,6 +48,7 @@ __all__ = [
     "outcomes_from_log",
     "is_test_path",
     "library_source",
+    "review",
 ]
 
 # Configuration that pytest (or Python itself) reads from the tree. pyproject.toml and setup.cfg
@@ -156,6 +166,13 @@ def graded_outcomes(result: JailResult) -> tuple[TestOutcomes, str | None]:
             "changed (" + ", ".join(map(str, end["agent_plugins"][:5])) + "); no test counts "
             "as passed"
         )
+    inspections = [str(r.get("what")) for r in result.report or () if r.get("when") == "inspection"]
+    if inspections or end.get("inspections"):
+        return TestOutcomes(()), (
+            "the code the agent wrote inspected its callers or the tests while they ran ("
+            + "; ".join(inspections[:3])
+            + "); no test counts as passed"
+        )
     return TestOutcomes(result.report), None
 
 
@@ -164,6 +181,27 @@ def _read_or_none(ws: Workspace, rel: str) -> str | None:
         return ws.read_text(rel)
     except PathError:
         return None
+
+
+def review(task: SweTask, ws: Workspace, files: Mapping[str, bytes | None], taken: list[str]):
+    """(findings, written definitions by file) of the graded changes (`envs.swe.diffcheck`)."""
+    del task  # The same rules for every task.
+    start = {rel: ws.base_text(rel) for rel in taken}
+    return _review({rel: files.get(rel) for rel in taken}, ws.base, start,
+                   ws.all_files(at_start=True))  # fmt: skip
+
+
+def agent_definitions(root: str, defs: Mapping[str, Mapping[str, str]]) -> list[str]:
+    """The harness's `--agent-def` values: `ROOT/PATH::QUALNAME::KIND`."""
+    return [f"{root}/{rel}::{name}::{kind}" for rel, names in sorted(defs.items())
+            for name, kind in names.items()]  # fmt: skip
+
+
+def describe_findings(found: Sequence[Finding]) -> str:
+    """The problem line of a submission whose diff inspects its callers or the tests."""
+    shown = "; ".join(map(str, found[:5])) + (" ..." if len(found) > 5 else "")
+    return (f"the patch adds code that inspects its callers or the tests, which the pristine "
+            f"library does not: {shown}; graded 0")  # fmt: skip
 
 
 def describe_refused(refused: list[str]) -> str | None:
@@ -191,6 +229,7 @@ def grade_in_docker(
     python: str,
     pytest_options: Sequence[str],
     agent_files: Sequence[str] = (),
+    agent_defs: Mapping[str, Mapping[str, str]] | None = None,
 ) -> tuple[JailResult, TestOutcomes, str | None]:
     """(result, outcomes, why none can be trusted) of a grading run in the task's image.
 
@@ -205,6 +244,7 @@ def grade_in_docker(
         python: The image's interpreter (pytest repositories).
         pytest_options: pytest's options and targets (pytest repositories).
         agent_files: The changed files taken into the grading tree, relative paths.
+        agent_defs: The definitions the agent wrote or changed in them (`review`).
     """
     kind = swebench.runner(task.repo)
     if kind == "pytest" and getattr(docker, "supports_harness", lambda task: False)(task):
@@ -214,6 +254,7 @@ def grade_in_docker(
             task, files, pytest_options, limits=limits, python=python,
             pythonpath=paths if root in paths else [*paths, root],
             agent_files=[f"{root}/{p}" for p in agent_files],
+            agent_defs=agent_definitions(root, agent_defs or {}),
         )  # fmt: skip
         outcomes, problem = graded_outcomes(result)
         return result, outcomes, problem

@@ -101,7 +101,8 @@ def pytest_collectreport(report):
 # The grading harness ------------------------------------------------------------------------
 
 _TRACKED = ("builtins", "_pytest", "pytest", "pluggy", "__main__", "json", "_json", "hashlib",
-            "_hashlib", "hmac", "os", "posix", "io", "_io")  # fmt: skip
+            "_hashlib", "hmac", "os", "posix", "io", "_io", "unittest", "_bpo_guard",
+            "operator", "_operator")  # fmt: skip
 # Names whose rebinding changes no behaviour: `_` (sys.displayhook sets it, in doctests) and
 # module metadata (six's tests, for one, reload modules, which rebinds `builtins.__spec__`).
 _IGNORED = frozenset({"_", "__spec__", "__loader__", "__doc__", "__name__", "__package__"})
@@ -111,14 +112,26 @@ _MISSING = object()
 
 
 def _parse(argv):
-    options = {"--report-fd": [], "--path": [], "--agent-file": []}
+    options = {"--report-fd": [], "--path": [], "--agent-file": [], "--agent-def": []}
     i = 0
     while i < len(argv) and argv[i] != "--":
         if argv[i] not in options or i + 1 >= len(argv):
             raise SystemExit(f"harness: bad argument {argv[i]!r}")
         options[argv[i]].append(argv[i + 1])
         i += 2
-    return int(options["--report-fd"][0]), options["--path"], options["--agent-file"], argv[i + 1 :]
+    return options, argv[i + 1 :]
+
+
+def _load_guard():
+    """The assertion guard (`assert_guard.py`), shipped beside this file, loaded by path."""
+    import importlib.util
+
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "assert_guard.py")
+    spec = importlib.util.spec_from_file_location("_bpo_guard", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["_bpo_guard"] = module
+    spec.loader.exec_module(module)
+    return module
 
 
 def _make_emit(fd, key, hmac_digest):
@@ -250,12 +263,13 @@ def main(argv):
     import importlib
     from _hashlib import hmac_digest
 
-    fd, paths, agent_files, pytest_args = _parse(argv)
+    options, pytest_args = _parse(argv)
+    agent_files = options["--agent-file"]
     key = sys.stdin.buffer.readline().strip()
     null = os.open(os.devnull, os.O_RDONLY)
     os.dup2(null, 0)
     os.close(null)
-    emit, emitted = _make_emit(fd, key, hmac_digest)
+    emit, emitted = _make_emit(int(options["--report-fd"][0]), key, hmac_digest)
     del key
     import pytest
     from _pytest.config import default_plugins
@@ -268,17 +282,27 @@ def main(argv):
     # Marked here: the class is defined before pytest is imported.
     pytest.hookimpl(wrapper=True, tryfirst=True)(_Reporter.pytest_runtest_makereport)
     reporter = _Reporter(emit, agent_files)
+    guard = _load_guard().Guard(
+        agent_files, options["--agent-def"], lambda line: emit({"when": "inspection", "what": line})
+    )
+    config = (guard.files, {p: dict(k) for p, k in guard.defs.items()}, guard.report)
+    rewrite = guard.install()
     snap = _snapshot()
-    sys.path[0:0] = paths
+    sys.path[0:0] = options["--path"]
     try:
         status = int(pytest.main(pytest_args, plugins=[reporter]))
     except BaseException as e:  # noqa: BLE001 - reported as an incomplete run.
         status = -1
         sys.stderr.write(f"harness: pytest raised {type(e).__name__}: {e}\n")
     changed = _tampered(snap)
+    if rewrite.PYC_TAIL != guard.pyc_tail:
+        changed.append("_pytest.assertion.rewrite.PYC_TAIL")
+    if (guard.files, {p: dict(k) for p, k in guard.defs.items()}, guard.report) != config:
+        changed.append("the assertion guard's configuration")
     emit({"when": "end", "exitstatus": status, "records": emitted(),
           "changed": changed[:20], "late_plugins": reporter.late_plugins[:20],
-          "agent_plugins": reporter.agent_plugins[:20]})  # fmt: skip
+          "agent_plugins": reporter.agent_plugins[:20],
+          "inspections": guard.inspections, "refused": guard.refused})  # fmt: skip
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)

@@ -46,6 +46,8 @@ _INIT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "jail_init.py")
 # The report plugin and the grading harness: one file in two roles (see harness.py).
 _HARNESS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "harness.py")
 _PLUGIN_NAME = "bpo_swe_report"
+# Loaded by the harness from its own folder (see assert_guard.py).
+GUARD = os.path.join(os.path.dirname(os.path.abspath(__file__)), "assert_guard.py")
 _HARNESS_IN_ROOT = "/.bpo_harness/harness.py"  # Root-owned in the jail (see jail_init).
 # Unprivileged uids for jails: one drawn at random per command, far above any real account, so
 # that the per-uid process limit (RLIMIT_NPROC) counts that command's processes alone.
@@ -263,6 +265,7 @@ def run_harness(
     limits: Limits,
     pythonpath: Sequence[str] = (),
     agent_files: Sequence[str] = (),
+    agent_defs: Sequence[str] = (),
     python: str | None = None,
 ) -> JailResult:
     """Runs pytest under the grading harness (`harness.py`) in a jail; see there for why.
@@ -274,6 +277,8 @@ def run_harness(
             are imported (e.g. `/tmp/testbed`).
         agent_files: Jail paths of the files the agent changed (an imperative `pytest.xfail()`
             raised from one of them does not count as xfailed).
+        agent_defs: `PATH::QUALNAME` (jail paths) of the definitions the agent wrote or changed
+            (`envs.swe.diffcheck.written`), for the harness's assertion guard.
 
     Returns:
         The result: `report` holds only records whose MAC checks out, `harness_end` the
@@ -290,10 +295,13 @@ def run_harness(
         argv += ["--path", folder]
     for path in agent_files:
         argv += ["--agent-file", path]
+    for definition in agent_defs:
+        argv += ["--agent-def", definition]
     argv += ["--", *pytest_args]
     request = _request(base, files, argv, limits, environ, ".", False, python, ())
-    with open(_HARNESS) as f:
-        request["harness"] = {"source": f.read(), "key": key, "report_fd": report_fd}
+    with open(_HARNESS) as f, open(GUARD) as g:
+        request["harness"] = {"source": f.read(), "key": key, "report_fd": report_fd,
+                              "beside": {os.path.basename(GUARD): g.read()}}  # fmt: skip
     reply = _run(request, limits, python)
     result = _result(reply)
     if not result.error:

@@ -145,12 +145,15 @@ def _build_root(opened, plugin, harness=None):
         _mkdirs(NEW_ROOT + _PLUGIN_IN_ROOT)
         with open(os.path.join(NEW_ROOT + _PLUGIN_IN_ROOT, name), "w") as f:
             f.write(source)
-    if harness:
+    if harness:  # The harness and the files it loads beside it (its assertion guard).
         path = NEW_ROOT + HARNESS_IN_ROOT
         _mkdirs(os.path.dirname(path))
-        with open(path, "w") as f:
-            f.write(harness["source"])
-        os.chmod(path, 0o444)
+        files = {os.path.basename(path): harness["source"], **harness.get("beside", {})}
+        for name, source in files.items():
+            target = os.path.join(os.path.dirname(path), os.path.basename(name))
+            with open(target, "w") as f:
+                f.write(source)
+            os.chmod(target, 0o444)
 
 
 def _loopback_up():

@@ -11,7 +11,7 @@ from bpo_jax.models.llama import count_params
 
 @pytest.mark.parametrize(
     "preset, expected",
-    [("qwen2_5_7b", 7_615_616_512), ("llama3_1_8b", 8_030_261_248)],
+    [("qwen2_5_7b", 7_615_616_512), ("llama3_1_8b", 8_030_261_248), ("smollm2_135m", 134_515_008)],
 )
 def test_full_size_parameter_counts(preset, expected):
     model = abstract_model(config.get_preset(preset))

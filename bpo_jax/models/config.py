@@ -129,6 +129,19 @@ def llama3_1_8b(**overrides) -> ModelConfig:
     return _preset((128_256, 4096, 14_336, 32, 32, 8), fields, overrides)
 
 
+def smollm2_135m(**overrides) -> ModelConfig:
+    """SmolLM2-135M(-Instruct): 134,515,008 parameters (tied embeddings), the Llama
+    architecture; its weights come from a GGUF file (`model.gguf`, bpo_jax/models/gguf.py)."""
+    fields = {
+        "qkv_bias": False,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 100_000.0,
+        "tie_embeddings": True,
+        "max_seq_len": 8192,
+    }
+    return _preset((49_152, 576, 1536, 30, 9, 3), fields, overrides)
+
+
 def tiny(**overrides) -> ModelConfig:
     """A few-million-parameter Qwen2-style policy that trains on a laptop CPU."""
     fields = {**_QWEN2, "rope_theta": 10_000.0, "tie_embeddings": True, "max_seq_len": 1024}
@@ -143,7 +156,13 @@ def small(**overrides) -> ModelConfig:
     ).replace(**overrides)
 
 
-PRESETS = {"tiny": tiny, "small": small, "qwen2_5_7b": qwen2_5_7b, "llama3_1_8b": llama3_1_8b}
+PRESETS = {
+    "tiny": tiny,
+    "small": small,
+    "smollm2_135m": smollm2_135m,
+    "qwen2_5_7b": qwen2_5_7b,
+    "llama3_1_8b": llama3_1_8b,
+}
 # Presets a run may initialise at random (trained from scratch with their own tokenizer); the
 # others need a checkpoint.
 RANDOM_INIT_PRESETS = ("tiny", "small")

@@ -17,15 +17,18 @@ Conventions shared by both backends:
 * `decode` never stops at EOS; callers cut sequences at the stop ids themselves (`stop_ids`
   lists every id that ends a generation, since instruct models often have several).
 
-Modules: `base` (the interface), `sp` (SentencePiece), `hf` (Hugging Face files).
+Modules: `base` (the interface), `sp` (SentencePiece), `hf` (Hugging Face files), `gguf` (the
+tokenizer in a GGUF file's metadata, as Hugging Face files), `chat_template` (a checkpoint's
+chat template, rendered as transformers renders it).
 """
 
 from __future__ import annotations
 
 import os
 
-from bpo_jax.io import files
+from bpo_jax.io import files, gguf_file
 from bpo_jax.tokenizer.base import SP_BOS_ID, SP_EOS_ID, SP_PAD_ID, SP_UNK_ID, Tokenizer
+from bpo_jax.tokenizer.gguf import load_gguf_tokenizer
 from bpo_jax.tokenizer.hf import HFTokenizer
 from bpo_jax.tokenizer.sp import SentencePieceTokenizer, train_sentencepiece
 
@@ -37,6 +40,7 @@ __all__ = [
     "SP_UNK_ID",
     "SentencePieceTokenizer",
     "Tokenizer",
+    "load_gguf_tokenizer",
     "load_tokenizer",
     "train_sentencepiece",
 ]
@@ -46,8 +50,9 @@ def load_tokenizer(path: str | os.PathLike) -> Tokenizer:
     """Opens the tokenizer at `path`, choosing the backend from what is there.
 
     Args:
-      path: A SentencePiece `.model` file; a `tokenizer.json` file; or a directory holding a
-        `tokenizer.json` (preferred) or a `tokenizer.model`.
+      path: A SentencePiece `.model` file; a `tokenizer.json` file; a directory holding a
+        `tokenizer.json` (preferred) or a `tokenizer.model`; or a GGUF model (a `.gguf` file,
+        or a name in `bpo_jax.io.gguf_file.KNOWN_FILES`), whose metadata holds its tokenizer.
 
     Returns:
       The tokenizer.
@@ -55,6 +60,8 @@ def load_tokenizer(path: str | os.PathLike) -> Tokenizer:
     Raises:
       ValueError: If `path` is none of the above.
     """
+    if os.fspath(path) in gguf_file.KNOWN_FILES or os.fspath(path).endswith(".gguf"):
+        return load_gguf_tokenizer(path)
     p = files.as_path(path)
     if p.is_file() and p.suffix == ".model":
         return SentencePieceTokenizer(p)
@@ -67,6 +74,7 @@ def load_tokenizer(path: str | os.PathLike) -> Tokenizer:
             return SentencePieceTokenizer(p / "tokenizer.model")
     what = "does not exist" if not p.exists() else "is not a recognised tokenizer"
     raise ValueError(
-        f"tokenizer path {p} {what}; expected a SentencePiece .model file, a tokenizer.json, or "
-        "a directory containing tokenizer.json or tokenizer.model."
+        f"tokenizer path {p} {what}; expected a SentencePiece .model file, a tokenizer.json, a "
+        "directory containing tokenizer.json or tokenizer.model, or a GGUF model (.gguf file "
+        f"or one of {sorted(gguf_file.KNOWN_FILES)})."
     )

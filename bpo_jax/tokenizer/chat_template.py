@@ -197,8 +197,20 @@ class ChatTemplate:
         path = folder / CHAT_TEMPLATE_FILE
         if path.is_file():
             return cls(path.read_text(encoding="utf-8"), special_tokens, str(path))
-        value = tok_config.get("chat_template")
         origin = f"{folder / 'tokenizer_config.json'} (chat_template)"
+        return cls.from_config(tok_config, special_tokens, origin)
+
+    @classmethod
+    def from_config(
+        cls, tok_config: Mapping[str, Any], special_tokens: Mapping[str, str], origin: str
+    ) -> ChatTemplate | None:
+        """The template of a tokenizer config's `chat_template` (a string, or a list of
+        `{"name", "template"}` of which the one named "default"), or None when it has none.
+
+        Raises:
+          ValueError: If `chat_template` has a form that cannot be read.
+        """
+        value = tok_config.get("chat_template")
         if value is None:
             return None
         if isinstance(value, str):

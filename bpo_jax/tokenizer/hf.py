@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -17,6 +17,13 @@ from bpo_jax.tokenizer.chat_template import SPECIAL_TOKEN_NAMES, ChatTemplate
 
 _BOS_GUESSES = ("<|begin_of_text|>", "<s>", "<bos>")
 _EOS_GUESSES = ("<|end_of_text|>", "<|endoftext|>", "</s>", "<eos>", "<|im_end|>")
+# The files beside a tokenizer.json that name its special tokens.
+_CONFIG_FILES = (
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "config.json",
+    "generation_config.json",
+)
 
 
 def _read_json(path: epath.Path) -> dict[str, Any]:
@@ -79,14 +86,60 @@ class HFTokenizer(Tokenizer):
                 f"no Hugging Face tokenizer at {path}; expected a tokenizer.json file or a "
                 "directory containing one."
             )
-        self.path = json_path
+        folder = json_path.parent
         # From the text, so that the file may be in a bucket as well as on the local disk.
-        self._tok = tokenizers.Tokenizer.from_str(json_path.read_text(encoding="utf-8"))
+        self._setup(
+            json_path.read_text(encoding="utf-8"),
+            json_path,
+            folder,
+            {name: _read_json(folder / name) for name in _CONFIG_FILES},
+        )
+
+    @classmethod
+    def from_data(
+        cls,
+        tokenizer_json: str,
+        tokenizer_config: Mapping[str, Any],
+        origin: str | os.PathLike,
+        model_config: Mapping[str, Any] | None = None,
+    ) -> HFTokenizer:
+        """A tokenizer from the contents of the files rather than the files (a GGUF's).
+
+        Args:
+          tokenizer_json: The text of a `tokenizer.json`.
+          tokenizer_config: What `tokenizer_config.json` would hold (special tokens, template).
+          origin: Where the data came from (`path`, and messages).
+          model_config: What `config.json` would hold (token ids), if anything.
+        """
+        self = cls.__new__(cls)
+        configs = {name: {} for name in _CONFIG_FILES}
+        configs["tokenizer_config.json"] = dict(tokenizer_config)
+        configs["config.json"] = dict(model_config or {})
+        self._setup(tokenizer_json, files.as_path(origin), None, configs)
+        return self
+
+    def _setup(
+        self,
+        tokenizer_json: str,
+        origin: epath.Path,
+        folder: epath.Path | None,
+        configs: dict[str, dict[str, Any]],
+    ) -> None:
+        """Reads the tokenizer and its special tokens (see the class docstring).
+
+        Args:
+          tokenizer_json: The `tokenizer.json` text.
+          origin: The file it came from (messages).
+          folder: The folder of the config files (a `chat_template.jinja` there wins), or None.
+          configs: Each of `_CONFIG_FILES` to its contents ({} when absent).
+        """
+        self.path = origin
+        self._folder = folder
+        self._tok = tokenizers.Tokenizer.from_str(tokenizer_json)
         self._vocab_size = max(self._tok.get_vocab(with_added_tokens=True).values()) + 1
 
-        folder = json_path.parent
-        tok_config = _read_json(folder / "tokenizer_config.json")
-        special_map = _read_json(folder / "special_tokens_map.json")
+        tok_config = configs["tokenizer_config.json"]
+        special_map = configs["special_tokens_map.json"]
         self._tok_config = tok_config
         # What a chat template sees as `bos_token`, `eos_token`, ...: the config's strings, the
         # tokenizer config first (transformers reads it over special_tokens_map.json).
@@ -99,8 +152,8 @@ class HFTokenizer(Tokenizer):
                         self._special_tokens[name] = text
                     break
         self._chat_template: ChatTemplate | None = None
-        model_config = _read_json(folder / "config.json")
-        gen_config = _read_json(folder / "generation_config.json")
+        model_config = configs["config.json"]
+        gen_config = configs["generation_config.json"]
 
         def named(key: str) -> tuple[bool, int | None]:
             """(found, id) for `<key>_token` in the tokenizer config files."""
@@ -114,9 +167,10 @@ class HFTokenizer(Tokenizer):
                         return True, None
                     tid = self._tok.token_to_id(text)
                     if tid is None:
+                        where = folder / name if folder is not None else f"{origin} ({name})"
                         raise ValueError(
-                            f"{folder / name} names {key}_token={text!r}, which is not in the "
-                            f"vocabulary of {json_path}; fix the config or the tokenizer file."
+                            f"{where} names {key}_token={text!r}, which is not in the "
+                            f"vocabulary of {origin}; fix the config or the tokenizer file."
                         )
                     return True, tid
             return False, None
@@ -145,7 +199,7 @@ class HFTokenizer(Tokenizer):
             eos = guess(_EOS_GUESSES)
         if eos is None:
             raise ValueError(
-                f"cannot find an EOS token for {json_path}: add a tokenizer_config.json beside it "
+                f"cannot find an EOS token for {origin}: add a tokenizer_config.json beside it "
                 'with "eos_token", or a config.json with "eos_token_id".'
             )
         self._eos = eos
@@ -168,9 +222,14 @@ class HFTokenizer(Tokenizer):
         """The checkpoint's chat template (`chat_template.jinja`, else `tokenizer_config.json`'s
         `chat_template`), or None when it has none (a base model)."""
         if self._chat_template is None:
-            self._chat_template = ChatTemplate.from_folder(
-                self.path.parent, self._tok_config, self._special_tokens
-            )
+            if self._folder is None:
+                self._chat_template = ChatTemplate.from_config(
+                    self._tok_config, self._special_tokens, f"{self.path} (chat_template)"
+                )
+            else:
+                self._chat_template = ChatTemplate.from_folder(
+                    self._folder, self._tok_config, self._special_tokens
+                )
         return self._chat_template
 
     def _post_processor_bos(self) -> int | None:

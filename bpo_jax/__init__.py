@@ -5,7 +5,8 @@ behaviour cloning, RL, evaluation) -> `rl` (one RL iteration: rollouts, advantag
 with `config` and `experiment` (the validated settings), `algorithms` (the registry),
 `builders`, `evaluation`, `run_state`, `report` (what a finished run shows: RL's effect with
 its interval, its compute, `curves.png`) and `cli` (the command lines' one-line errors);
-`compile` is the compile-only tool for TPU slices.
+`compile` is the compile-only tool for TPU slices; `gguf_export` writes a GGUF model as a
+Hugging Face checkpoint folder.
 Below them, one package per role; imports run only downward, as each package's docstring says
 (`tests/test_layout.py` checks it):
 

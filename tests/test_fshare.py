@@ -19,7 +19,7 @@ from test_explained import batches
 
 from bpo_jax.io.metrics import BRANCH_PARTS_FILE, MetricWriter
 from bpo_jax.rollout import explained
-from bpo_jax.study import fshare
+from bpo_jax.study import fshare, table2a
 
 
 def write_run(run_dir, parts_list, algo="bpo"):
@@ -102,3 +102,14 @@ def test_tables_add_f_only_for_runs_that_recorded_it(tmp_path):
     assert md.index("## f:") < md.index("## Figures")
     # Everything else as before.
     assert {k: v for k, v in t2.items() if k not in ("f", "table2a")} == plain
+
+
+def test_a_resample_without_return_variance_is_left_out_of_the_interval():
+    # 16 tasks, two with return variance (f 1 and 0): about 12% of the resamples hold neither
+    # and have no f; the interval comes from the others (scipy's would be NaN).
+    num, den = np.r_[np.zeros(14), 1.0, 0.0], np.r_[np.zeros(14), 1.0, 1.0]
+    rng = np.random.default_rng(0)
+    f, (lo, hi) = table2a.ratio_ci(
+        num, den, method="bootstrap", level=0.95, num_resamples=2000, rng=rng
+    )
+    assert f == 0.5 and (lo, hi) == (0.0, 1.0)

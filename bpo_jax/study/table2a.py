@@ -77,31 +77,33 @@ def ratio_ci(
 ) -> tuple[float, tuple[float, float]]:
     """`sum num / sum den` over units (tasks) and its CI, the units resampled as pairs.
 
-    method "bootstrap": percentile bootstrap (`scipy.stats.bootstrap`, paired);
-    "normal": the delta method's standard error, `estimate +- z * se` (for many units).
-    Fewer than two units: a NaN interval.
+    method "bootstrap": percentile bootstrap (units drawn with replacement, paired). A resample
+    whose denominator sums to 0 has no ratio (e.g. f where only a few tasks had any return
+    variance) and is left out: the interval is conditional on the ratio being defined, and NaN
+    when under half the resamples define it. "normal": the delta method's standard error,
+    `estimate +- z * se` (for many units). Fewer than two units: a NaN interval.
     """
     num, den = np.asarray(num, np.float64), np.asarray(den, np.float64)
     value = float(_ratio_of_sums(num, den))
+    nan = (float("nan"), float("nan"))
     if num.size < 2 or not np.isfinite(value):
-        return value, (float("nan"), float("nan"))
+        return value, nan
     if method == "normal":
         influence = (num - value * den) / den.mean()
         se = influence.std(ddof=1) / np.sqrt(num.size)
         z = scipy.stats.norm.ppf(0.5 + level / 2)
         return value, (value - z * se, value + z * se)
-    res = scipy.stats.bootstrap(
-        (num, den),
-        _ratio_of_sums,
-        n_resamples=num_resamples,
-        paired=True,
-        vectorized=True,
-        confidence_level=level,
-        method="percentile",
-        batch=max(1, 50_000_000 // (8 * num.size)),
-        rng=rng,
-    )
-    return value, (float(res.confidence_interval.low), float(res.confidence_interval.high))
+    per_batch = max(1, 4_000_000 // num.size)  # Resamples drawn at once: 32 MB of indices.
+    ratios = []
+    for start in range(0, num_resamples, per_batch):
+        idx = rng.integers(0, num.size, (min(per_batch, num_resamples - start), num.size))
+        ratios.append(_ratio_of_sums(num[idx], den[idx]))
+    ratios = np.concatenate(ratios)
+    ratios = ratios[np.isfinite(ratios)]
+    if ratios.size < num_resamples / 2:
+        return value, nan
+    lo, hi = np.quantile(ratios, [(1 - level) / 2, (1 + level) / 2])
+    return value, (float(lo), float(hi))
 
 
 def _concat(parts_list: Sequence[dict]) -> dict[str, np.ndarray]:

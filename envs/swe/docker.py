@@ -4,7 +4,9 @@ Images: SWE-bench (Verified) instances use their official evaluation images
 (`swebench/sweb.eval.x86_64.<id>:latest` on Docker Hub, or those `python -m
 swebench.harness.prepare_images` builds): the repository at `base_commit` in `/testbed`, a conda
 env `testbed`. The project's own tasks (a pristine `tree`, no image) get a local image in the
-same layout from `envs.swe.images.ImageBuilder`, built on first use and cached.
+same layout from `envs.swe.images.ImageBuilder`, built on first use and cached. Either runs
+without history after `base_commit` (`envs.swe.history`: a repository holding more gets a fresh
+single-commit one, once per image, before the episode's first command).
 
 The env's design is kept: the working copy is the image's `/testbed` (copied out once per
 image, `.git` left out, read by the file tools) plus the in-memory edits, and every command runs
@@ -42,6 +44,7 @@ from pathlib import Path
 from typing import Any
 
 from envs.swe import container
+from envs.swe.history import scrubbed
 from envs.swe.images import CONTAINER_LABEL, LABEL, ImageBuilder
 from envs.swe.jail import GUARD, JAIL_ROOT, JailResult, Limits, verify_harness_report
 
@@ -107,6 +110,8 @@ class DockerExecutor:
             image's `org.bpo.swe.activate` label, else SWE-bench's conda env `testbed`).
         build_images: Build the local image of a task that has a tree but names no image.
         images: Options of that builder (`envs.swe.images.ImageBuilder`).
+        scrub_history: Run each image with its repository reduced to what `base_commit`
+            reaches (`envs.swe.history`: once per image; on by default).
     """
 
     root = DOCKER_ROOT
@@ -122,6 +127,7 @@ class DockerExecutor:
         activate: str | None = None,
         build_images: bool = True,
         images: Mapping[str, Any] | None = None,
+        scrub_history: bool = True,
     ):
         self.docker = check_docker(docker)
         self.cache_dir = Path(cache_dir).expanduser()
@@ -132,6 +138,8 @@ class DockerExecutor:
         self.activate = activate
         self.build_images = build_images
         self._builder_options = dict(images or {})
+        self.scrub_history = scrub_history
+        self._history_free: dict[tuple[str, str], str] = {}  # (image, base) -> image to run
         self._builder: ImageBuilder | None = None
         self._images: dict[str, str] = {}  # task id -> image (built ones)
         self._labels: dict[str, dict[str, str]] = {}
@@ -149,17 +157,26 @@ class DockerExecutor:
         return self._builder
 
     def image_of(self, task) -> str:
-        """The task's image: the one it names, else its local image (built if missing)."""
-        if task.image:
-            return task.image
-        if task.task_id not in self._images:
-            if not (task.tree and self.build_images):
-                raise ValueError(
-                    f"Task {task.task_id} names no Docker image and has no tree to build one "
-                    "from (or build_images=False)."
-                )
-            self._images[task.task_id] = self.builder.instance_image(task)
-        return self._images[task.task_id]
+        """The image the task's commands run in: the one it names, else its local image (built
+        if missing), without history after `base_commit` (`envs.swe.history`)."""
+        image = task.image
+        if not image:
+            if task.task_id not in self._images:
+                if not (task.tree and self.build_images):
+                    raise ValueError(
+                        f"Task {task.task_id} names no Docker image and has no tree to build "
+                        "one from (or build_images=False)."
+                    )
+                self._images[task.task_id] = self.builder.instance_image(task)
+            image = self._images[task.task_id]
+        if not self.scrub_history:
+            return image
+        key = (image, task.base_commit)
+        if key not in self._history_free:
+            self._ensure_image(image)
+            self._history_free[key] = scrubbed(self.docker, image, task.base_commit,
+                                               self.cache_dir, CONTAINER_LABEL)  # fmt: skip
+        return self._history_free[key]
 
     def _ensure_image(self, image: str) -> None:
         if self._docker("image", "inspect", image).returncode == 0:

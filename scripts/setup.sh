@@ -10,9 +10,10 @@ cd "$(dirname "$0")/.."
 level="${1:-runtime}"
 files_of() {  # The requirements files of a level.
   case "$1" in
-    runtime) echo requirements.txt ;;
-    tpu-compile) echo requirements.txt requirements-tpu-compile.txt ;;
-    test) echo requirements.txt requirements-dev.txt requirements-tpu-compile.txt ;;
+    runtime) echo requirements.txt requirements-nodeps.txt ;;
+    tpu-compile) echo requirements.txt requirements-nodeps.txt requirements-tpu-compile.txt ;;
+    test) echo requirements.txt requirements-nodeps.txt requirements-dev.txt \
+      requirements-tpu-compile.txt ;;
     *) return 1 ;;
   esac
 }
@@ -44,8 +45,10 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$(stamp_of "$level")" ]; then
   .venv/bin/python -m pip install --quiet --upgrade pip
   say "installing ${files[*]} (level $level; a fresh runtime install takes minutes)"
   reqs=()
-  for f in "${files[@]}"; do reqs+=(-r "$f"); done
+  for f in "${files[@]}"; do [ "$f" = requirements-nodeps.txt ] || reqs+=(-r "$f"); done
   .venv/bin/python -m pip install --quiet "${reqs[@]}"
+  say "installing requirements-nodeps.txt without their dependencies"
+  .venv/bin/python -m pip install --quiet --no-deps -r requirements-nodeps.txt
   say "installing bpo_jax itself (editable)"
   # Its build backend's notes (setuptools' editable-install banner) only when it fails.
   if ! log=$(.venv/bin/python -m pip install --quiet --no-deps -e . 2>&1); then

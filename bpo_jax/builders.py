@@ -18,7 +18,7 @@ from bpo_jax.models import config as model_config
 from bpo_jax.models.factory import create_model
 from bpo_jax.parallel import distributed
 from bpo_jax.sampler.policy import Policy
-from bpo_jax.tokenizer import load_tokenizer, train_sentencepiece
+from bpo_jax.tokenizer import load_gguf_tokenizer, load_tokenizer, train_sentencepiece
 
 
 def is_dev_task(task_id: str, dev_fraction: float) -> bool:
@@ -88,11 +88,14 @@ def make_pool(cfg: ExperimentConfig):
 
 
 def build_tokenizer(cfg: ExperimentConfig, workdir: epath.Path, demos):
-    """The configured tokenizer, the checkpoint's, or (tiny policy) one trained on the demos."""
+    """The configured tokenizer, the checkpoint's (or GGUF file's), or (tiny policy) one trained
+    on the demos."""
     if cfg.model.tokenizer:
         return load_tokenizer(cfg.model.tokenizer)
     if cfg.model.hf_checkpoint:
         return load_tokenizer(cfg.model.hf_checkpoint)
+    if cfg.model.gguf:
+        return load_gguf_tokenizer(cfg.model.gguf)
     path = workdir / "tokenizer.model"
     if path.exists():
         return load_tokenizer(path)
@@ -128,9 +131,21 @@ def make_agent(cfg: ExperimentConfig, tokenizer):
 
 
 def build_model(cfg: ExperimentConfig, tokenizer, mesh):
-    """(model config, NNX model), created sharded on `mesh` (or imported from HF weights)."""
+    """(model config, NNX model), created sharded on `mesh` (or imported from HF or GGUF
+    weights)."""
     m = cfg.model
     dtype, param_dtype = DTYPES[m.dtype], DTYPES[m.param_dtype]
+    if m.gguf:
+        from bpo_jax.models.gguf import load_gguf
+
+        return load_gguf(
+            m.gguf,
+            mesh=mesh,
+            rules=cfg.mesh.rules,
+            dtype=dtype,
+            param_dtype=param_dtype,
+            max_seq_len=m.max_seq_len,
+        )
     if m.hf_checkpoint:
         from bpo_jax.models.hf_import import load_hf_checkpoint
 

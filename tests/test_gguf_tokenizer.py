@@ -84,6 +84,8 @@ UNICODE_CASES = [
     "١٢٣",
     "٣ apples",
     "x١",
+    "عدد ١٢٣",
+    "price ３４５ yen",
     "Ⅻ chapters",
     "½ cup",
     "E = mc²",

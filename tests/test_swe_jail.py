@@ -8,8 +8,10 @@ root and inside it, and check that no host file comes back (as a changed file, a
 symlinks still work. Needs root (the jails use namespaces), like tests/test_swe.py.
 """
 
+import ast
 import json
 import os
+import sys
 from pathlib import Path
 
 import pytest
@@ -17,6 +19,7 @@ from swe_fixtures import leap_task, write_minicalc
 
 from envs.base import make_env
 from envs.base import step_result as step  # (observation, reward, done, info)
+from envs.swe import jail
 from envs.swe.jail import Limits, run_in_jail
 
 _LIMITS = Limits(timeout_s=10)
@@ -134,3 +137,18 @@ def test_repository_symlinks_still_behave(tmp_path):
     assert result.changes == {"pkg/mod.py": b"VALUE = 1\nMORE = 2\n"}
     assert sorted(result.ignored) == ["pipe", "pkg/new_link.py"]
     assert (tmp_path / "pkg" / "mod.py").read_text() == "VALUE = 1\n"
+
+
+def test_the_report_plugin_keeps_to_the_official_images_python(tmp_path):
+    # harness.py is also the report plugin of the official images (Python 3.6 and later), and
+    # in that role it writes each outcome to $BPO_SWE_REPORT.
+    source = Path(jail.__file__).with_name("harness.py").read_text()
+    ast.parse(source, feature_version=(3, 6))
+    (tmp_path / "test_x.py").write_text(
+        "def test_ok():\n    pass\n\n\ndef test_bad():\n    assert 0\n"
+    )
+    argv = [sys.executable, "-m", "pytest", "-p", "bpo_swe_report", "-q", "test_x.py"]
+    result = run_in_jail(str(tmp_path), {}, argv, limits=_LIMITS, pytest_report=True)
+    assert [(r["nodeid"], r["outcome"]) for r in result.report if r["when"] == "call"] == [
+        ("test_x.py::test_ok", "passed"), ("test_x.py::test_bad", "failed"),
+    ], result.output  # fmt: skip

@@ -14,7 +14,7 @@ One file, two roles; each ships alone (the jail and the Docker executor copy it 
 - The grading harness, run as a program:
 
     python -P -s -B /.bpo_harness/harness.py --report-fd N [--path DIR]... [--agent-file F]...
-        -- PYTEST_ARGS
+        [--agent-def F::QUALNAME::KIND]... -- PYTEST_ARGS
 
 `envs.swe.jail.run_harness` starts it (stdlib and pytest only). Why each piece:
 
@@ -41,6 +41,12 @@ One file, two roles; each ships alone (the jail and the Docker executor copy it 
   library module such a plugin is) the code of one, which this check refuses.
 - An xfailed outcome counts (as in SWE-bench) only where the test has an `xfail` marker, or an
   imperative `pytest.xfail()` was raised with no frame in a file the agent changed.
+- The assertion guard (`assert_guard.py`, shipped beside this file and loaded by its path
+  before any repository code): comparisons of the tests that the code under test cannot fake,
+  and an audit hook that records frame access and test reads by the definitions the agent
+  wrote (`--agent-def`). Each such record is signed and written at once; the end record counts
+  them (`inspections`) and the refused comparisons (`refused`), and the guard's configuration
+  and pytest's rewrite hooks are part of the snapshot checked at the end.
 
 What this cannot stop: code under test runs in this process and could, deliberately, read the
 key out of this process's memory. See the repository-repair section of the README.

@@ -27,7 +27,9 @@ SHIPPED = [
     "scripts/tpu_worker.sh",
     "scripts/setup.sh",
     "requirements.txt",
+    "requirements-nodeps.txt",
     "requirements-dev.txt",
+    "requirements-tpu-compile.txt",
     "pyproject.toml",
 ]
 FAKES = Path(__file__).resolve().parent / "fixtures" / "launch_tpu"

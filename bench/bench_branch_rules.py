@@ -25,6 +25,7 @@ policy is read). The experiment defaults to `experiments/alfworld.py:cpu`.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import sys
@@ -110,13 +111,10 @@ def summarise(batches: list[dict], rng) -> dict:
     }
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def add_source_flags(ap: argparse.ArgumentParser) -> None:
+    """--source, --config, --seed, --json and --set (a bench that plays a saved policy)."""
     ap.add_argument("--source", required=True, help="run directory whose policy is measured")
     ap.add_argument("--config", default="experiments/alfworld.py:cpu")
-    ap.add_argument("--rules", default=",".join(RULES))
-    ap.add_argument("--batches", type=int, default=6, help="counted batches per rule")
-    ap.add_argument("--warmup", type=int, default=1, help="uncounted batches per rule first")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", default="")
     ap.add_argument(
@@ -126,11 +124,11 @@ def main(argv=None) -> int:
         metavar="FIELD=VALUE",
         help="config override, e.g. rollout.root_group=3 (repeatable)",
     )
-    args = ap.parse_args(argv)
-    rules = [r.strip() for r in args.rules.split(",") if r.strip()]
-    unknown = sorted(set(rules) - set(RULES))
-    if unknown:
-        ap.error(f"unknown rules {unknown}; known: {sorted(RULES)}")
+
+
+def source_config(ap: argparse.ArgumentParser, args, **fields):
+    """The validated BPO config of `--config` playing `--source`'s policy, with `fields`
+    ({"section.name": value}) and then the `--set` overrides; a mistake is `ap.error`."""
     source = Path(args.source).absolute()
     if not (source / "checkpoints").is_dir():
         ap.error(f"--source={source} has no checkpoints/ folder")
@@ -138,6 +136,9 @@ def main(argv=None) -> int:
     raw = load_experiment(path).get_config(",".join(filter(None, [variant, "algo=bpo"])))
     raw.init_from = str(source)
     raw.seed = args.seed
+    for key, value in fields.items():
+        section, name = key.split(".")
+        raw[section][name] = value
     for item in args.set:
         field, eq, value = item.partition("=")
         section, _, name = field.partition(".")
@@ -145,7 +146,31 @@ def main(argv=None) -> int:
             ap.error(f"--set {item!r}: expected SECTION.FIELD=VALUE naming a config field")
         old = raw[section][name]
         raw[section][name] = value.lower() == "true" if isinstance(old, bool) else type(old)(value)
-    cfg = validate(raw)
+    return validate(raw)
+
+
+@contextlib.contextmanager
+def source_run(cfg):
+    """A throwaway run of `cfg` (a temporary workdir) whose policy is the source's."""
+    with tempfile.TemporaryDirectory() as tmp, open_run(cfg, Path(tmp)) as (run, mcfg, params):
+        state = setup(run, mcfg, params)
+        run.policy.params = state.train.params
+        yield run
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    add_source_flags(ap)
+    ap.add_argument("--rules", default=",".join(RULES))
+    ap.add_argument("--batches", type=int, default=6, help="counted batches per rule")
+    ap.add_argument("--warmup", type=int, default=1, help="uncounted batches per rule first")
+    args = ap.parse_args(argv)
+    rules = [r.strip() for r in args.rules.split(",") if r.strip()]
+    unknown = sorted(set(rules) - set(RULES))
+    if unknown:
+        ap.error(f"unknown rules {unknown}; known: {sorted(RULES)}")
+    cfg = source_config(ap, args)
+    source = Path(args.source).absolute()
     out = {
         "source": str(source),
         "config": args.config,
@@ -154,9 +179,7 @@ def main(argv=None) -> int:
         "rules": {},
     }
     rng = np.random.default_rng(args.seed)
-    with tempfile.TemporaryDirectory() as tmp, open_run(cfg, Path(tmp)) as (run, mcfg, params):
-        state = setup(run, mcfg, params)
-        run.policy.params = state.train.params
+    with source_run(cfg) as run:
         for name in rules:
             rcfg = with_rollout(cfg, **RULES[name])
             rollout = RolloutState.create(rcfg)

@@ -149,6 +149,16 @@ def source_config(ap: argparse.ArgumentParser, args, **fields):
     return validate(raw)
 
 
+def source_record(args) -> dict:
+    """The head of a bench's JSON record: the `--source` run, `--config`, `--set` and `--seed`."""
+    return {
+        "source": str(Path(args.source).absolute()),
+        "config": args.config,
+        "overrides": args.set,
+        "seed": args.seed,
+    }
+
+
 @contextlib.contextmanager
 def source_run(cfg):
     """A throwaway run of `cfg` (a temporary workdir) whose policy is the source's."""
@@ -170,14 +180,7 @@ def main(argv=None) -> int:
     if unknown:
         ap.error(f"unknown rules {unknown}; known: {sorted(RULES)}")
     cfg = source_config(ap, args)
-    source = Path(args.source).absolute()
-    out = {
-        "source": str(source),
-        "config": args.config,
-        "overrides": args.set,
-        "seed": args.seed,
-        "rules": {},
-    }
+    out = {**source_record(args), "rules": {}}
     rng = np.random.default_rng(args.seed)
     with source_run(cfg) as run:
         for name in rules:

@@ -49,7 +49,12 @@ from pathlib import Path
 
 import jax
 import numpy as np
-from bench_branch_rules import add_source_flags, source_config, source_run  # bench/ is on sys.path
+from bench_branch_rules import (  # bench/ is on sys.path
+    add_source_flags,
+    source_config,
+    source_record,
+    source_run,
+)
 
 from bpo_jax.parallel import platforms
 from bpo_jax.rl import RolloutState, play_batch
@@ -96,12 +101,8 @@ def main(argv=None) -> int:
         ap.error(f"unknown rules {unknown}; registered: {sorted(SELECTORS)}")
     fields = {"train.tasks_per_iter": args.tasks, "eval.initial": False}
     cfg = source_config(ap, args, **fields)
-    source = Path(args.source).absolute()
     out = {
-        "source": str(source),
-        "config": args.config,
-        "overrides": args.set,
-        "seed": args.seed,
+        **source_record(args),
         "batches": args.batches,
         "tasks_per_batch": args.tasks,
         "root_group": cfg.rollout.root_group,

@@ -51,18 +51,17 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import jax  # noqa: E402
 import numpy as np  # noqa: E402
 import variance_model  # noqa: E402
 from design_mdps import split_mdp  # noqa: E402
+from variance_map_grid import play as grid_play  # noqa: E402
 
 from bpo_jax.estimators import step_advantages  # noqa: E402
-from bpo_jax.rollout.branching import CostModel, LengthModel, make_selector  # noqa: E402
+from bpo_jax.rollout.branching import LengthModel, make_selector  # noqa: E402
 from bpo_jax.rollout.design import Design, Profile, predicted_ratio  # noqa: E402
 from bpo_jax.rollout.design_stats import TreeChooser  # noqa: E402
-from bpo_jax.rollout.engine import TreeSpec, play_forest  # noqa: E402
+from bpo_jax.rollout.engine import TreeSpec  # noqa: E402
 from bpo_jax.study import stats  # noqa: E402
-from envs.sandbox import SandboxPool  # noqa: E402
 from envs.tabular import (  # noqa: E402
     first_action_decides_mdp,
     mdp_tasks,
@@ -70,7 +69,7 @@ from envs.tabular import (  # noqa: E402
     reward_density_mdp,  # noqa: E402
 )
 from envs.tabular.mdp import variable_length_mdp  # noqa: E402
-from envs.tabular.policy import TabularPolicy, encode_state, forest_task_gradients  # noqa: E402
+from envs.tabular.policy import TabularPolicy, forest_task_gradients  # noqa: E402
 from envs.tabular.profile import step_profile  # noqa: E402
 
 # The MDPs of the design points (f at each step: `envs.tabular.profile.step_profile`).
@@ -170,18 +169,8 @@ def known_lengths(mdp, logits, size: int = 2048) -> LengthModel:
 
 
 def play(mdp, policy, tasks, spec: TreeSpec, selector, seed: int):
-    with SandboxPool("tabular", {"mdp": mdp}, backend="inprocess") as pool:
-        return play_forest(
-            pool,
-            policy,
-            encode_state,
-            tasks,
-            spec,
-            rng=jax.random.key(seed),
-            selector=selector,
-            lengths=known_lengths(mdp, policy.logits),
-            costs=CostModel(spec.budget_unit),
-        )
+    """`variance_map_grid.play` with the length model of `known_lengths`."""
+    return grid_play(mdp, policy, tasks, spec, selector, seed, known_lengths(mdp, policy.logits))
 
 
 def task_gradients(forest, policy, method: str, weighting: str) -> np.ndarray:

@@ -86,7 +86,11 @@ GRID = [
 ]
 
 
-def play(mdp, policy, tasks, spec: TreeSpec, selector, seed: int):
+def play(
+    mdp, policy, tasks, spec: TreeSpec, selector, seed: int, lengths: LengthModel | None = None
+):
+    """The forest `policy` plays on `mdp`'s `tasks` in process; `lengths` is the episode-length
+    model the budget plans with (a fresh one, the worst case, by default)."""
     with SandboxPool("tabular", {"mdp": mdp}, backend="inprocess") as pool:
         return play_forest(
             pool,
@@ -96,7 +100,7 @@ def play(mdp, policy, tasks, spec: TreeSpec, selector, seed: int):
             spec,
             rng=jax.random.key(seed),
             selector=selector,
-            lengths=LengthModel(mdp.horizon),
+            lengths=LengthModel(mdp.horizon) if lengths is None else lengths,
             costs=CostModel(spec.budget_unit),
         )
 

@@ -46,7 +46,14 @@ from typing import Any
 from envs.swe import container
 from envs.swe.history import scrubbed
 from envs.swe.images import CONTAINER_LABEL, LABEL, ImageBuilder
-from envs.swe.jail import GUARD, JAIL_ROOT, JailResult, Limits, verify_harness_report
+from envs.swe.jail import (
+    GUARD,
+    JAIL_ROOT,
+    JailResult,
+    Limits,
+    harness_args,
+    verify_harness_report,
+)
 
 __all__ = ["DOCKER_ROOT", "DockerExecutor", "DockerUnavailableError", "check_docker"]
 
@@ -306,13 +313,6 @@ class DockerExecutor:
                 f"{container.RUN}/{os.path.basename(GUARD)}": g.read(),
                 f"{container.RUN}/key": (key + "\n").encode(),
             }
-        args = ["--report-fd", "3"]
-        for folder in pythonpath:
-            args += ["--path", folder]
-        for path in agent_files:
-            args += ["--agent-file", path]
-        for definition in agent_defs:
-            args += ["--agent-def", definition]
         # The subshell opens the key as the harness's stdin and unlinks it before the harness
         # starts; fd 3 is the container's stderr, which carries only signed records.
         launch = (
@@ -320,7 +320,7 @@ class DockerExecutor:
             f"exec timeout -s KILL {limits.timeout_s:g} {container.drop_privileges(labels)} "
             f'{python} -P -s -B {container.RUN}/harness.py "$@" ) < {container.RUN}/key 3>&2'
         )
-        argv = [*args, "--", *pytest_args]
+        argv = harness_args(3, pytest_args, pythonpath, agent_files, agent_defs)
         result, stderr = self._container(image, labels, files, extra, launch, argv, limits, {},
                                          False)  # fmt: skip
         if not result.error:

@@ -290,14 +290,8 @@ def run_harness(
     environ.pop("PYTHONPATH", None)
     key = secrets.token_hex(32)
     report_fd = 100 + secrets.randbelow(800)  # Below the jail's RLIMIT_NOFILE.
-    argv = [python, "-P", "-s", "-B", _HARNESS_IN_ROOT, "--report-fd", str(report_fd)]
-    for folder in pythonpath:
-        argv += ["--path", folder]
-    for path in agent_files:
-        argv += ["--agent-file", path]
-    for definition in agent_defs:
-        argv += ["--agent-def", definition]
-    argv += ["--", *pytest_args]
+    argv = [python, "-P", "-s", "-B", _HARNESS_IN_ROOT]
+    argv += harness_args(report_fd, pytest_args, pythonpath, agent_files, agent_defs)
     request = _request(base, files, argv, limits, environ, ".", False, python, ())
     with open(_HARNESS) as f, open(GUARD) as g:
         request["harness"] = {"source": f.read(), "key": key, "report_fd": report_fd,
@@ -309,6 +303,24 @@ def run_harness(
             reply.get("harness_report") or [], key
         )
     return result
+
+
+def harness_args(
+    report_fd: int,
+    pytest_args: Sequence[str],
+    pythonpath: Sequence[str] = (),
+    agent_files: Sequence[str] = (),
+    agent_defs: Sequence[str] = (),
+) -> list[str]:
+    """`harness.py`'s command-line arguments (after the script), as `run_harness` takes them."""
+    args = ["--report-fd", str(report_fd)]
+    for folder in pythonpath:
+        args += ["--path", folder]
+    for path in agent_files:
+        args += ["--agent-file", path]
+    for definition in agent_defs:
+        args += ["--agent-def", definition]
+    return [*args, "--", *pytest_args]
 
 
 def verify_harness_report(

@@ -170,6 +170,7 @@ def test_unpermuted_qk_fails_parity(hf_smollm, our_smollm_tokenizer):
     assert diff > 1000 * ATOL
 
 
+@pytest.mark.slow  # 1-2 minutes on 2 shared cores (the sampler's programs compile).
 def test_greedy_continuations_match_transformers(our_smollm, hf_smollm, our_smollm_tokenizer):
     """32 greedy tokens through the project's sampler (KV cache, prefill then decode) equal
     transformers' greedy `generate`, token for token."""

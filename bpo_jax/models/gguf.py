@@ -260,16 +260,16 @@ def _tensor_names(reader, cfg: ModelConfig) -> dict:
 
 
 def read_gguf(
-    name_or_path: str | os.PathLike, **overrides
+    name_or_path: str | os.PathLike, *, unpermute_qk: bool = True, **overrides
 ) -> tuple[ModelConfig, dict, Callable[[str], np.ndarray]]:
     """(config, metadata, read) of a GGUF file; `read(hf_name)` dequantizes one tensor.
 
     Args:
       name_or_path: a known name (`gguf_file.KNOWN_FILES`) or a path.
-      **overrides: `ModelConfig` fields (see `config_from_gguf`); `unpermute_qk=False` reads
-        q_proj and k_proj as stored (only to show that the permutation matters).
+      unpermute_qk: undo llama.cpp's q/k row permutation (False reads q_proj and k_proj as
+        stored: only to show that the permutation matters).
+      **overrides: `ModelConfig` fields (see `config_from_gguf`).
     """
-    unpermute = overrides.pop("unpermute_qk", True)
     reader = gguf_file.open_reader(name_or_path)
     meta = gguf_file.metadata(reader)
     check_architecture(meta)
@@ -283,9 +283,9 @@ def read_gguf(
 
     def read(hf_name: str) -> np.ndarray:
         w = dequantize(tensors[hf_name])
-        if unpermute and hf_name.endswith("self_attn.q_proj.weight"):
+        if unpermute_qk and hf_name.endswith("self_attn.q_proj.weight"):
             return unpermute_rows(w, cfg.num_heads)
-        if unpermute and hf_name.endswith("self_attn.k_proj.weight"):
+        if unpermute_qk and hf_name.endswith("self_attn.k_proj.weight"):
             return unpermute_rows(w, cfg.num_kv_heads)
         return w
 

@@ -11,18 +11,12 @@ writes `config.json` and `model.safetensors` (the weights dequantized, q/k un-pe
 
 from __future__ import annotations
 
+import argparse
 import os
-import sys
-
-from absl import app, flags
 
 from bpo_jax.models.config import ModelConfig
 from bpo_jax.models.gguf import export_model_files
 from bpo_jax.tokenizer.gguf import write_tokenizer_files
-
-_DTYPE = flags.DEFINE_enum(
-    "dtype", "float32", ["float32", "bfloat16", "float16"], "Stored dtype of the weights."
-)
 
 
 def export_hf(
@@ -40,12 +34,15 @@ def export_hf(
     return cfg
 
 
-def main(argv):
-    if len(argv) != 3:
-        sys.exit("usage: python -m bpo_jax.gguf_export GGUF_NAME_OR_PATH OUT_DIR [--dtype=...]")
-    cfg = export_hf(argv[1], argv[2], _DTYPE.value)
-    print(f"wrote {argv[2]}: {cfg}")
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m bpo_jax.gguf_export", description=__doc__)
+    parser.add_argument("gguf", help="a .gguf path or a known name (smollm2_135m_instruct)")
+    parser.add_argument("out_dir", help="the folder to write")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    args = parser.parse_args(argv)
+    cfg = export_hf(args.gguf, args.out_dir, args.dtype)
+    print(f"wrote {args.out_dir}: {cfg}")
 
 
 if __name__ == "__main__":
-    app.run(main)
+    main()

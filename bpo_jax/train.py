@@ -139,7 +139,7 @@ def open_run(cfg: ExperimentConfig, workdir: epath.Path, raw_config=None):
                 if cfg.init_from:
                     _adopt_tokenizer(files.as_path(cfg.init_from), workdir)
                 has_tokenizer = (
-                    bool(cfg.model.tokenizer or cfg.model.hf_checkpoint)
+                    bool(cfg.model.tokenizer or cfg.model.hf_checkpoint or cfg.model.gguf)
                     or (workdir / "tokenizer.model").exists()
                 )
                 needs_demos = (cfg.bc.steps > 0 and not cfg.init_from) or not has_tokenizer
@@ -199,14 +199,19 @@ def _eval_cache(cfg: ExperimentConfig, workdir: epath.Path) -> EvalCache | None:
         return None
     trained = workdir / "tokenizer.model"
     salt = trained.read_bytes() if trained.exists() else cfg.model.tokenizer.encode()
-    salt += cfg.model.hf_checkpoint.encode()
+    salt += cfg.model.hf_checkpoint.encode() + cfg.model.gguf.encode()
     return EvalCache(cfg.eval.cache_dir, salt=salt)
 
 
 def _shared_tokenizer(cfg: ExperimentConfig, workdir: epath.Path, demos):
     """The run's tokenizer: the configured one, or the one process 0 trained (or found) in the
     workdir, sent to the other processes rather than written by them."""
-    if distributed.process_count() == 1 or cfg.model.tokenizer or cfg.model.hf_checkpoint:
+    if (
+        distributed.process_count() == 1
+        or cfg.model.tokenizer
+        or cfg.model.hf_checkpoint
+        or cfg.model.gguf
+    ):
         return build_tokenizer(cfg, workdir, demos)
     tokenizer = build_tokenizer(cfg, workdir, demos) if distributed.is_lead() else None
     data = (workdir / "tokenizer.model").read_bytes() if distributed.is_lead() else None

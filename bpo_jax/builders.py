@@ -135,22 +135,13 @@ def build_model(cfg: ExperimentConfig, tokenizer, mesh):
     weights)."""
     m = cfg.model
     dtype, param_dtype = DTYPES[m.dtype], DTYPES[m.param_dtype]
-    if m.gguf:
-        from bpo_jax.models.gguf import load_gguf
-
-        return load_gguf(
-            m.gguf,
-            mesh=mesh,
-            rules=cfg.mesh.rules,
-            dtype=dtype,
-            param_dtype=param_dtype,
-            max_seq_len=m.max_seq_len,
-        )
-    if m.hf_checkpoint:
-        from bpo_jax.models.hf_import import load_hf_checkpoint
-
-        return load_hf_checkpoint(
-            m.hf_checkpoint,
+    if m.gguf or m.hf_checkpoint:  # Imported weights (exclusive: the config checks it).
+        if m.gguf:
+            from bpo_jax.models.gguf import load_gguf as load
+        else:
+            from bpo_jax.models.hf_import import load_hf_checkpoint as load
+        return load(
+            m.gguf or m.hf_checkpoint,
             mesh=mesh,
             rules=cfg.mesh.rules,
             dtype=dtype,

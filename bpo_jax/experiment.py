@@ -107,6 +107,13 @@ def base_config(
     # The update runs the layers as one lax.scan over their stacked parameters: XLA compiles
     # one layer, not 28 or 32 (parameters stay stored per layer).
     c.model.scan_layers = not cpu
+    # Low-rank adapters (bpo_jax/models/lora.py): rank 0 trains every weight; rank > 0 trains
+    # only adapters on `targets` (scale alpha / rank) over a base frozen in model.dtype.
+    c.model.lora = ml_collections.ConfigDict()
+    c.model.lora.rank = 0
+    c.model.lora.alpha = 32.0
+    c.model.lora.targets = ("q", "k", "v", "o", "gate", "up", "down")
+    c.model.lora.dropout = 0.0  # Must be 0 (not implemented).
 
     # Device mesh (data, fsdp, tensor); -1 takes the remaining devices. Logical-axis rules map the
     # model's named axes to mesh axes (see bpo_jax/models/sharding.py). With data > 1 the sampler
@@ -265,6 +272,10 @@ def base_config(
     # played first and every `auto_explore` batches (0: first only) to keep measuring f.
     c.rollout.tree = "fixed"
     c.rollout.auto_explore = 4
+    # selector=steps: branch every path at these steps ("3", "2,6"): a fixed design, e.g. the one
+    # a pilot chose (`python -m bpo_jax.study.pilot`); set K0, K, branch_budget and max_depth
+    # with it (`rollout.design.Design.spec_fields`).
+    c.rollout.branch_steps = ""
 
     # Evaluation: greedy episodes before RL (after BC) and at the end.
     c.eval = ml_collections.ConfigDict()

@@ -77,6 +77,7 @@ class RolloutState:
             window=r.entropy_window,
             branch_prob=r.branch_prob,
             interval=r.interval,
+            steps=r.branch_steps,
             probes=r.probe_samples,
             per_step=r.entropy_per_step,
             seed=cfg.seed,

@@ -15,6 +15,8 @@ import pytest
 from test_experiments import tiny_cpu_config
 
 from bpo_jax.config import validate
+from bpo_jax.estimators import DEFAULT_SHRINK
+from bpo_jax.rollout.explained import ExplainedShare
 from bpo_jax.study import probe, stats
 from envs.sandbox import SandboxPool
 from envs.tabular import load_tasks, make_mdp, objective_grad, random_logits
@@ -56,7 +58,7 @@ class Recorder:
         return g
 
 
-def run(cfg, num_batches, warmup=2, seed=0, grads=None, **kwargs):
+def run(cfg, num_batches, warmup=2, seed=0, grads=None, algos=("rloo", "bpo"), **kwargs):
     policy = TabularPolicy(random_logits(MDP, seed=1, scale=0.7))
     tasks = load_tasks(None, "train", copies=3, **ENV)
     grads = Recorder(policy) if grads is None else grads(policy)
@@ -66,7 +68,7 @@ def run(cfg, num_batches, warmup=2, seed=0, grads=None, **kwargs):
             policy,
             tasks,
             cfg,
-            ["rloo", "bpo"],
+            list(algos),
             num_batches,
             jax.random.key(seed),
             grads,
@@ -119,6 +121,39 @@ def test_probe_flags_unmatched_spend():
     bpo = results["bpo"]
     assert bpo["spend_ratio"] == pytest.approx(0.5)
     assert not bpo["spend_matched"] and "not at matched spend" in bpo["spend_warning"]
+
+
+def test_trees_record_f_and_bpo_shrink_takes_lam_from_earlier_batches(tmp_path):
+    # A fixed design (every running backbone of 3 branches into 2 at step 1), as a pilot chose.
+    cfg = probe_config(
+        selector="steps", branch_steps="1", root_group=3, branch_budget=1, max_depth=1
+    )
+    record = probe.design_record(cfg, 0.8, "a pilot's choice")
+    assert record == {
+        "tree": [[0, 3], [1, 2]],
+        "group_size": 4,
+        "predicted_ratio": 0.8,
+        "reason": "a pilot's choice",
+    }
+    m, identity = 6, {"algos": ["rloo", "bpo", "bpo_shrink"], "batches": 6}
+    store = probe.ProbeStore(tmp_path, identity)
+    results, _ = run(cfg, m, warmup=0, algos=identity["algos"], store=store)
+    assert "explained" not in results["rloo"] and "shrink_lambda_mean" not in results["bpo"]
+    for algo in ("bpo", "bpo_shrink"):
+        f_rows = results[algo]["explained"]["f"]
+        assert [r["depth"] for r in f_rows] == [1, "all"]
+        assert f_rows[0]["branch_points"] > 0 and 0 <= f_rows[0]["f"] <= 1
+        assert results[algo]["explained"]["table2a"]
+    # Each batch's lam is the one the parts of the batches before it give (the first: default).
+    batches = store.load("bpo_shrink")[0]
+    share = ExplainedShare()
+    for batch in batches:
+        assert float(batch["shrink"]) == pytest.approx(share.shrink_lambda())
+        share.add({k[len("parts_") :]: batch[k] for k in batch if k.startswith("parts_")})
+    assert float(batches[0]["shrink"]) == DEFAULT_SHRINK
+    assert results["bpo_shrink"]["shrink_lambda_mean"] == pytest.approx(
+        np.mean([float(b["shrink"]) for b in batches])
+    )
 
 
 class Interrupted(Exception):

@@ -50,7 +50,7 @@ import math
 
 import numpy as np
 
-from bpo_jax.rollout.branching import BranchSelector
+from bpo_jax.rollout.branching import BranchSelector, register_selector
 
 TREES = ("fixed", "auto")  # rollout.tree: the configured tree, or a design chosen per batch.
 DEFAULT_KS = (2, 3, 4)
@@ -156,11 +156,37 @@ class Design:
         return StepsSelector(self.depths)
 
 
-class StepsSelector(BranchSelector):
-    """Branch every path at the given steps (earlier steps served first): a function of t."""
+def parse_steps(steps) -> tuple[int, ...]:
+    """Branch steps from "3" or "2,6" (`rollout.branch_steps`) or a sequence: increasing, >= 1
+    (none: a design that does not branch).
 
-    def __init__(self, steps):
-        self.steps = np.asarray(sorted(int(t) for t in steps), np.int64)
+    Raises:
+      ValueError: naming what is wrong with `steps`.
+    """
+    if isinstance(steps, str):
+        try:
+            steps = [int(x) for x in steps.replace(" ", "").split(",") if x]
+        except ValueError:
+            raise ValueError(
+                f"branch steps must be integers like '3' or '2,6', got {steps!r}."
+            ) from None
+    out = tuple(int(t) for t in steps)
+    if any(t < 1 for t in out) or any(b <= a for a, b in zip(out, out[1:])):
+        raise ValueError(f"branch steps must be increasing steps >= 1, got {steps!r}.")
+    return out
+
+
+@register_selector("steps")
+class StepsSelector(BranchSelector):
+    """Branch every path at the given steps (earlier steps served first): a function of t.
+
+    As `rollout.selector=steps` it plays a fixed `Design` from the config: the steps are
+    `rollout.branch_steps`, K0 `root_group`, K `num_branches`, and `branch_budget` /
+    `max_depth` as `Design.spec_fields` gives them (`branch_schedule=threshold`).
+    """
+
+    def __init__(self, steps=(), **_):
+        self.steps = np.asarray(parse_steps(steps), np.int64)
 
     def scores(self, entropies: np.ndarray, steps: np.ndarray) -> np.ndarray:
         steps = np.asarray(steps)

@@ -57,6 +57,7 @@ from bpo_jax.builders import make_agent, make_critic
 from bpo_jax.config import ExperimentConfig, validate
 from bpo_jax.io import files
 from bpo_jax.parallel import platforms
+from bpo_jax.rollout.design import Design, parse_steps
 from bpo_jax.study.probe_sample import (
     BatchSampler,
     ModelGradients,
@@ -202,15 +203,70 @@ def check_arguments(config, workdir: str, algos: str, batches: int):
     return cfg, names
 
 
-def main(argv):
-    from absl import flags
-    from absl import logging as absl_logging
+@dataclasses.dataclass
+class Start:
+    """A trained run's policy at its latest checkpoint, as a probe or a pilot plays it."""
+
+    tokenizer: object
+    graphdef: object
+    params: object
+    step: int
+    policy: object
+
+
+def policy_source(cfg: ExperimentConfig, workdir) -> object:
+    """The run whose policy is read: the workdir's own, else (a sweep's probe of its start, in a
+    folder of its own) the run `init_from` names."""
+    workdir = files.as_path(workdir)
+    if not (workdir / "checkpoints").is_dir() and cfg.init_from:
+        return files.as_path(cfg.init_from)
+    return workdir
+
+
+def load_start(cfg: ExperimentConfig, source, mesh) -> Start:
+    """The policy of the run at `source` (inside `jax.set_mesh(mesh)` and the axis rules)."""
     from flax import nnx
 
     from bpo_jax import builders
     from bpo_jax.io.checkpoint import Checkpointer
-    from bpo_jax.models import sharding
     from bpo_jax.run_state import initial_state
+
+    if not (cfg.model.tokenizer or cfg.model.hf_checkpoint or cfg.model.gguf):
+        if not (source / "tokenizer.model").exists():
+            raise FileNotFoundError(f"No tokenizer.model in {source}: train first.")
+    tokenizer = builders.build_tokenizer(cfg, source, demos=[])
+    mcfg, model = builders.build_model(cfg, tokenizer, mesh)
+    graphdef, params = nnx.split(model)
+    ckpt = Checkpointer(source / "checkpoints")
+    if ckpt.latest_step() is None:
+        raise FileNotFoundError(f"No checkpoint in {source / 'checkpoints'}: train first.")
+    # The run's own state layout (critic and KL reference included), restored as it was saved.
+    critic = builders.make_critic(cfg, graphdef, mcfg.hidden_size, tokenizer.pad_id)
+    optimizer = learner.make_optimizer(1.0, 0.0, 0.9, 0.999, cfg.train.grad_clip)
+    state = initial_state(cfg, params, optimizer, critic).restore(ckpt)
+    ckpt.close()
+    params = state.train.params
+    policy = builders.make_policy(cfg, graphdef, params, tokenizer, mcfg, mesh)
+    return Start(tokenizer, graphdef, params, int(state.step), policy)
+
+
+def design_record(cfg: ExperimentConfig, predicted: float | None, reason: str = "") -> dict | None:
+    """A fixed design's record (`rollout.selector=steps`): its tree, the first-order model's
+    predicted BPO/RLOO trace (from a pilot, `bpo_jax.study.pilot`) and where that came from."""
+    r = cfg.rollout
+    if r.selector != "steps":
+        return None
+    design = Design(r.root_group, r.num_branches, parse_steps(r.branch_steps))
+    out = {"tree": design.tree, "group_size": cfg.train.group_size, "predicted_ratio": predicted}
+    return out | ({"reason": reason} if reason else {})
+
+
+def main(argv):
+    from absl import flags
+    from absl import logging as absl_logging
+
+    from bpo_jax import builders
+    from bpo_jax.models import sharding
 
     f = flags.FLAGS
     with cli.start_up_errors(PROG):
@@ -221,33 +277,22 @@ def main(argv):
     train_tasks, _ = builders.select_tasks(cfg)
     tasks = train_tasks[: cfg.train.tasks_per_iter]
     mesh = sharding.make_mesh(cfg.mesh.axes, dcn_data=cfg.mesh.dcn_data)
-    # The policy probed: the workdir's own run, else (a sweep's probe of its start, in a folder
-    # of its own) the run `init_from` names.
-    source = workdir
-    if not (workdir / "checkpoints").is_dir() and cfg.init_from:
-        source = files.as_path(cfg.init_from)
+    source = policy_source(cfg, workdir)
     workdir.mkdir(parents=True, exist_ok=True)
     if not (workdir / "config.json").exists():
         files.write_text(
             workdir / "config.json", json.dumps(f.config.to_dict(), indent=2, default=str)
         )
+    predicted = f.predicted if f.predicted is not None else None
     with builders.make_pool(cfg) as pool, jax.set_mesh(mesh), sharding.axis_rules(cfg.mesh.rules):
-        if not (cfg.model.tokenizer or cfg.model.hf_checkpoint):
-            if not (source / "tokenizer.model").exists():
-                raise FileNotFoundError(f"No tokenizer.model in {source}: train first.")
-        tokenizer = builders.build_tokenizer(cfg, source, demos=[])
-        mcfg, model = builders.build_model(cfg, tokenizer, mesh)
-        graphdef, params = nnx.split(model)
-        ckpt = Checkpointer(source / "checkpoints")
-        if ckpt.latest_step() is None:
-            raise FileNotFoundError(f"No checkpoint in {source / 'checkpoints'}: train first.")
-        # The run's own state layout (critic and KL reference included), restored as it was saved.
-        critic = builders.make_critic(cfg, graphdef, mcfg.hidden_size, tokenizer.pad_id)
-        optimizer = learner.make_optimizer(1.0, 0.0, 0.9, 0.999, cfg.train.grad_clip)
-        state = initial_state(cfg, params, optimizer, critic).restore(ckpt)
-        ckpt.close()
-        step, params = state.step, state.train.params
-        policy = builders.make_policy(cfg, graphdef, params, tokenizer, mcfg, mesh)
+        start = load_start(cfg, source, mesh)
+        tokenizer, graphdef, params, policy = (
+            start.tokenizer,
+            start.graphdef,
+            start.params,
+            start.policy,
+        )
+        step = start.step
         # Recorded batches are kept as they finish: a re-run of this command resumes after them.
         identity = {
             "config": f.config.to_dict(),
@@ -276,7 +321,8 @@ def main(argv):
             store=store,
             progress=lambda line: print(line, flush=True),
         )
-    write_report(workdir, step, [t.task_id for t in tasks], results, algos)
+    design = design_record(cfg, predicted, f.design_reason)
+    write_report(workdir, step, [t.task_id for t in tasks], results, algos, design)
 
 
 if __name__ == "__main__":
@@ -292,5 +338,9 @@ if __name__ == "__main__":
     flags.DEFINE_integer("batches", 64, "Recorded rollout batches per algorithm.")
     flags.DEFINE_integer("warmup_batches", 2, "Unrecorded batches of a tree algorithm first.")
     flags.DEFINE_integer("sketch_dim", 2**15, "Coordinates of each gradient's count sketch.")
+    flags.DEFINE_float(
+        "predicted", None, "The design's predicted BPO/RLOO trace (a pilot's), for the record."
+    )
+    flags.DEFINE_string("design_reason", "", "Why this design (for the record).")
     flags.mark_flags_as_required(["config", "workdir"])
     cli.run(main, PROG, explain=unknown_field)

@@ -22,8 +22,9 @@ from bpo_jax import learner
 from bpo_jax.config import ExperimentConfig
 from bpo_jax.io import files
 from bpo_jax.learner import round_up
-from bpo_jax.rl import RolloutState, forest_advantages, tree_spec
+from bpo_jax.rl import SHRINK_ESTIMATOR, RolloutState, forest_advantages, tree_spec
 from bpo_jax.rollout.engine import play_forest
+from bpo_jax.rollout.explained import COLUMNS, ExplainedShare, measure_parts
 from bpo_jax.study.probe_stats import Recorded, StreamedTrace
 
 
@@ -291,7 +292,12 @@ class BatchSampler:
             `warmup_batches` unrecorded batches. None: the reference, or no tree.
         """
         shared, entropies = self.shared, self.entropies
-        state = dataclasses.replace(shared, selector=RolloutState.create(acfg).selector)
+        # A tree algorithm measures f on every batch, and `bpo_shrink`'s lam for a batch comes
+        # from the batches before it only (`rollout.explained`), as in a run.
+        measured = ExplainedShare() if acfg.algorithm.branches else None
+        state = dataclasses.replace(
+            shared, selector=RolloutState.create(acfg).selector, explained=measured
+        )
         if entropies:
             state.selector.observe(np.asarray(entropies))
         needs_critic = self.critic_for and acfg.algorithm.needs_critic
@@ -305,16 +311,24 @@ class BatchSampler:
         costs = [b["costs"] for b in done]
         leaves = [int(b["leaves"]) for b in done]
         tokens = [int(b["tokens"]) for b in done]
+        parts = [_parts_of(b) for b in done]
+        shrinks = [float(b["shrink"]) for b in done if "shrink" in b]
         if index == 0:
             entropies += [float(x) for b in done for x in b["entropies"]]
         first = len(done) if done else -(self.warmup_batches if budget is not None else 0)
         for m in range(first, num_batches):
             start = time.perf_counter()
             key = jax.random.fold_in(self.rng, 100_000 * index + m + 1000)
+            shrink = None  # `bpo_shrink`'s lam, from the batches before this one.
+            if state.explained is not None and acfg.algorithm.estimator == SHRINK_ESTIMATOR:
+                shrink = state.explained.shrink_lambda()
             forest = _play(self.pool, self.policy, self.encode, self.tasks, acfg, state, key)
+            batch_parts = measure_parts(forest) if state.explained is not None else None
+            if batch_parts is not None:
+                state.explained.add(batch_parts)
             if m < 0:
                 continue
-            adv, _ = forest_advantages(forest, acfg, critic, self.params)
+            adv, _ = forest_advantages(forest, acfg, critic, self.params, shrink)
             weights = forest.step_weights(acfg.train.step_weighting)
             g = self.gradients(forest, adv, weights, acfg)
             batch = {
@@ -329,6 +343,12 @@ class BatchSampler:
                     np.float64,
                 ),
             }
+            if batch_parts is not None:
+                batch.update({f"parts_{k}": np.asarray(v) for k, v in batch_parts.items()})
+                parts.append(batch_parts)
+            if shrink is not None:
+                batch["shrink"] = np.asarray(shrink, np.float64)
+                shrinks.append(float(shrink))
             if self.exact:
                 trace.add(self.gradients.exact_batch)  # None: this batch's gradient is exactly 0.
             if store is not None:
@@ -347,4 +367,11 @@ class BatchSampler:
                     f"{batch['costs'].mean():.0f}{target}, {len(forest.leaves)} leaves, "
                     f"{int(np.count_nonzero(np.asarray(adv)))} steps with an advantage"
                 )
-        return Recorded(rows, costs, leaves, tokens, trace if self.exact else None)
+        return Recorded(rows, costs, leaves, tokens, trace if self.exact else None, parts, shrinks)
+
+
+def _parts_of(batch: dict) -> dict | None:
+    """A stored batch's f parts (`rollout.explained.COLUMNS`); None: not a tree's batch."""
+    if f"parts_{COLUMNS[0]}" not in batch:
+        return None
+    return {k: np.asarray(batch[f"parts_{k}"]) for k in COLUMNS}

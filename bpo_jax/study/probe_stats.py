@@ -53,6 +53,10 @@ class Recorded:
     leaves: list[int]  # Leaves of the batch's forest.
     tokens: list[int]  # Tokens the batch generated.
     trace: StreamedTrace | None  # The exact batch-level trace; None where gradients are sketches.
+    # Tree algorithms: each batch's f parts per (task, depth) (`rollout.explained`; None for a
+    # batch stored before they were), and `bpo_shrink`'s lam per batch (from earlier batches).
+    parts: list[dict | None] = dataclasses.field(default_factory=list)
+    shrinks: list[float] = dataclasses.field(default_factory=list)
 
 
 def _trace_summary(k: np.ndarray, norms: np.ndarray) -> dict:
@@ -105,6 +109,13 @@ def algorithm_statistics(
     if ref_cost is None:
         ref_cost = float(costs.mean())
     r["budget"] = budget
+    if recorded.shrinks:
+        r["shrink_lambda_mean"] = float(np.mean(recorded.shrinks))
+    parts = [p for p in recorded.parts if p is not None]
+    if parts:  # f per depth and Table 2a over the recorded batches (units: a batch's task).
+        from bpo_jax.study.fshare import f_tables, jsonable
+
+        r["explained"] = jsonable(f_tables([_listed(p) for p in parts], "tasks"))
     r["spend_ratio"] = float(costs.mean() / ref_cost)
     r["spend_ratio_per_task"] = (costs.mean(axis=0) / ref_cost).tolist()
     lo, hi = SPEND_TOLERANCE
@@ -116,6 +127,10 @@ def algorithm_statistics(
             f"(outside [{lo}, {hi}]): its variance ratio is not at matched spend."
         )
     return r, gram, per_task_grams
+
+
+def _listed(parts: dict) -> dict:
+    return {k: np.asarray(v).tolist() for k, v in parts.items()}
 
 
 def add_ratios(results, grams, per_task_grams, algos, boot, num_resamples: int) -> None:
@@ -138,9 +153,10 @@ def add_ratios(results, grams, per_task_grams, algos, boot, num_resamples: int) 
         r["noise_to_signal_ratio"] = r["noise_to_signal"] / max(b["noise_to_signal"], 1e-30)
 
 
-def write_report(workdir, step, task_ids, results: dict, algos) -> None:
+def write_report(workdir, step, task_ids, results: dict, algos, design: dict | None = None):
     """Writes `probe.json` and the `probe/*` ratios (into the run's metrics) in `workdir`, and
-    prints the table and the spend warnings."""
+    prints the table and the spend warnings. `design`: a fixed design's record (its tree and
+    predicted ratio, `probe.design_record`), kept in probe.json when given."""
     from bpo_jax.io.metrics import MetricWriter
 
     warnings = [r["spend_warning"] for r in results.values() if r["spend_warning"]]
@@ -150,6 +166,8 @@ def write_report(workdir, step, task_ids, results: dict, algos) -> None:
         "results": results,
         "warnings": warnings,
     }
+    if design is not None:
+        out["design"] = design
     files.write_text(workdir / "probe.json", json.dumps(out, indent=2))
     writer = MetricWriter(workdir)
     for algo in algos[1:]:

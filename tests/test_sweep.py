@@ -310,6 +310,36 @@ def test_second_sweep_in_the_same_folder_is_refused(setup, tmp_path):
     assert not (workdir / "bpo/seed_0").exists()
 
 
+def test_probes_of_their_own_configuration_are_named_runs():
+    design = sweep_lib.Probe(
+        algos=("rloo", "bpo", "bpo_traj"),
+        batches=96,
+        name="design",
+        overrides={"rollout.selector": "steps", "rollout.branch_steps": "4"},
+        predicted=0.71,
+        reason="the pilot's choice",
+    )
+    base = dict(config="experiments/alfworld.py:cpu", algos=("bpo",), seeds=(0, 1), shared_bc=True)
+    once = sweep_lib.expand(
+        sweep_lib.Sweep(**base, bc_once=True, probe=(sweep_lib.Probe(batches=8), design))
+    )
+    assert [r.name for r in once[:3]] == ["bc/shared", "probe/shared", "probe/design"]
+    run = once[2]
+    assert run.init_from == "bc/shared" and run.probe_flags == (
+        "--algos=rloo,bpo,bpo_traj", "--batches=96", "--predicted=0.71",
+        "--design_reason=the pilot's choice",
+    )  # fmt: skip
+    assert "--config.rollout.branch_steps=4" in run.overrides
+    assert "--config.rollout.branch_steps=4" not in once[1].overrides
+    per_seed = sweep_lib.expand(sweep_lib.Sweep(**base, probe=design))
+    assert [r.name for r in per_seed if r.is_probe] == [
+        "probe/design_seed_0",
+        "probe/design_seed_1",
+    ]
+    with pytest.raises(ValueError, match="same name"):
+        sweep_lib.expand(sweep_lib.Sweep(**base, probe=(design, design)))
+
+
 def test_paper_sweep_file_loads():
     sweep = sweep_lib.load_sweep(REPO / "experiments/paper/alfworld_cpu.py")
     runs = sweep_lib.expand(sweep)

@@ -41,10 +41,20 @@ class Probe:
     Attributes:
       algos: the algorithms probed; the first is the reference (RLOO: no std normalisation).
       batches: recorded rollout batches per algorithm.
+      name: '' for the probe of the sweep's own configuration (`probe/shared`, or
+        `probe/seed_<n>`); else a probe with its own `overrides` (`probe/<name>`, or
+        `probe/<name>_seed_<n>`), e.g. a fixed design a pilot chose.
+      overrides: config overrides on top of the sweep's (field -> value).
+      predicted: the design's predicted BPO/RLOO trace ratio (from a pilot), for the record.
+      reason: why this design, for the record (probe.json's `design`).
     """
 
     algos: tuple[str, ...] = ("rloo", "bpo")
     batches: int = 64
+    name: str = ""
+    overrides: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    predicted: float | None = None
+    reason: str = ""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,7 +74,8 @@ class Sweep:
         every run of every seed.
       share_evals: runs share evaluation results (`eval.cache_dir` in the sweep's folder).
       probe: with shared_bc, the probe of each start (`probe/shared`, or `probe/seed_<n>`),
-        run as soon as its start is done; its `probe.json` is Table 2's record.
+        run as soon as its start is done; its `probe.json` is Table 2's record. A tuple: each
+        of them (their names differ).
     """
 
     config: str
@@ -75,7 +86,13 @@ class Sweep:
     shared_bc: bool = False
     bc_once: bool = False
     share_evals: bool = False
-    probe: Probe | None = None
+    probe: Probe | tuple[Probe, ...] | None = None
+
+    @property
+    def probes(self) -> tuple[Probe, ...]:
+        if self.probe is None:
+            return ()
+        return self.probe if isinstance(self.probe, tuple) else (self.probe,)
 
 
 # The shared behaviour-cloning run of a seed trains no RL iterations, and its own evaluations
@@ -171,11 +188,13 @@ def expand(sweep: Sweep) -> list[Run]:
         raise ValueError("Sweep.bc_once needs shared_bc=True (it says how the start is shared).")
     if sweep.share_evals and "eval.cache_dir" in sweep.overrides:
         raise ValueError("overrides must not set eval.cache_dir; share_evals sets the sweep's.")
-    if sweep.probe is not None:
+    for pr in sweep.probes:
         if not sweep.shared_bc:
             raise ValueError("Sweep.probe needs shared_bc=True: it probes the shared start.")
-        if not sweep.probe.algos or sweep.probe.batches < 2:
-            raise ValueError(f"Sweep.probe needs algorithms and >= 2 batches: {sweep.probe}.")
+        if not pr.algos or pr.batches < 2:
+            raise ValueError(f"Sweep.probe needs algorithms and >= 2 batches: {pr}.")
+    if len({pr.name for pr in sweep.probes}) < len(sweep.probes):
+        raise ValueError("Sweep.probe: two probes of the same name.")
     runs, names = [], set()
     shares = sweep.share_evals
 
@@ -186,26 +205,31 @@ def expand(sweep: Sweep) -> list[Run]:
         names.add(name)
         return Run(name, BC_GROUP, int(seed), "", config, flags_, share_evals=shares)
 
-    def probe_run(start: str, seed: int) -> Run:
-        fields = {**dict(sweep.overrides), "seed": int(seed)}
+    def probe_run(start: str, seed: int, pr: Probe) -> Run:
+        fields = {**dict(sweep.overrides), **dict(pr.overrides), "seed": int(seed)}
         flags_ = tuple(f"--config.{k}={format_value(v)}" for k, v in fields.items())
         config = f"{path}:{variants + ',' if variants else ''}algo={sweep.algos[0]}"
-        name = f"{PROBE_GROUP}/{start.split('/', 1)[1]}"
-        probe = (f"--algos={','.join(sweep.probe.algos)}", f"--batches={sweep.probe.batches}")
+        own = start.split("/", 1)[1]
+        if pr.name:
+            own = pr.name if start == BC_SHARED else f"{pr.name}_{own}"
+        name = f"{PROBE_GROUP}/{own}"
+        probe = (f"--algos={','.join(pr.algos)}", f"--batches={pr.batches}")
+        if pr.predicted is not None:
+            probe += (f"--predicted={pr.predicted}",)
+        if pr.reason:
+            probe += (f"--design_reason={pr.reason}",)
         names.add(name)
         return Run(name, PROBE_GROUP, int(seed), "", config, flags_, start, probe_flags=probe)
 
     if sweep.bc_once:
         runs.append(bc_run(BC_SHARED, sweep.seeds[0]))
-        if sweep.probe is not None:
-            runs.append(probe_run(BC_SHARED, sweep.seeds[0]))
+        runs += [probe_run(BC_SHARED, sweep.seeds[0], pr) for pr in sweep.probes]
     for seed in sweep.seeds:
         bc_name = BC_SHARED if sweep.bc_once else ""
         if sweep.shared_bc and not sweep.bc_once:
             bc_name = f"{BC_GROUP}/seed_{seed}"
             runs.append(bc_run(bc_name, seed))
-            if sweep.probe is not None:
-                runs.append(probe_run(bc_name, seed))
+            runs += [probe_run(bc_name, seed, pr) for pr in sweep.probes]
         for algo in sweep.algos:
             for ab_name, ab_overrides, ab_algos in sets:
                 if ab_algos and algo not in ab_algos:

@@ -54,30 +54,22 @@ def table(config: SoakConfig, report: SoakReport) -> str:
     return "\n".join(f"{name:<{width}}  {value}" for name, value in rows)
 
 
+# The `SoakConfig` fields the command line sets, each by `--name-with-dashes` (the others keep
+# their defaults).
+_OPTIONS = ("waves", "tasks_per_wave", "kill_rate", "hang_rate", "garbage_rate",
+            "zygote_kill_rate", "step_timeout_s", "seed")  # fmt: skip
+
+
 def main(argv: list[str] | None = None) -> int:
-    defaults = SoakConfig()
+    defaults = dataclasses.replace(SoakConfig(), waves=10)
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--json", help="also write the config and report to this file")
     parser.add_argument("--backend", default="fork")
-    parser.add_argument("--waves", type=int, default=10)
-    parser.add_argument("--tasks-per-wave", type=int, default=defaults.tasks_per_wave)
-    parser.add_argument("--kill-rate", type=float, default=defaults.kill_rate)
-    parser.add_argument("--hang-rate", type=float, default=defaults.hang_rate)
-    parser.add_argument("--garbage-rate", type=float, default=defaults.garbage_rate)
-    parser.add_argument("--zygote-kill-rate", type=float, default=defaults.zygote_kill_rate)
-    parser.add_argument("--step-timeout-s", type=float, default=defaults.step_timeout_s)
-    parser.add_argument("--seed", type=int, default=defaults.seed)
+    for name in _OPTIONS:
+        default = getattr(defaults, name)
+        parser.add_argument("--" + name.replace("_", "-"), type=type(default), default=default)
     args = parser.parse_args(argv)
-    config = SoakConfig(
-        waves=args.waves,
-        tasks_per_wave=args.tasks_per_wave,
-        kill_rate=args.kill_rate,
-        hang_rate=args.hang_rate,
-        garbage_rate=args.garbage_rate,
-        zygote_kill_rate=args.zygote_kill_rate,
-        step_timeout_s=args.step_timeout_s,
-        seed=args.seed,
-    )
+    config = dataclasses.replace(defaults, **{name: getattr(args, name) for name in _OPTIONS})
     report = run_soak(config, backend=args.backend)
     print(table(config, report))
     if report.left:

@@ -21,12 +21,14 @@ TINY = dict(vocab=300, hidden=64, ffn=96, layers=2, heads=4, kv_heads=2, context
 
 
 def smollm_path() -> Path:
+    """The real file."""
     from bpo_jax.io import gguf_file
 
     return gguf_file.locate(SMOLLM)
 
 
-# Each loaded once per test session, whichever module asks first.
+# Each loaded once per test session, whichever module asks first (tests/conftest.py makes them
+# session fixtures).
 @functools.cache
 def our_smollm():
     """(config, model) of the real GGUF file, float32."""
@@ -61,6 +63,7 @@ def hf_smollm_float64():
 
 @functools.cache
 def our_smollm_tokenizer():
+    """Our tokenizer of the real file."""
     from bpo_jax.tokenizer import load_gguf_tokenizer
 
     return load_gguf_tokenizer(SMOLLM)
@@ -68,6 +71,7 @@ def our_smollm_tokenizer():
 
 @functools.cache
 def hf_smollm_tokenizer():
+    """transformers' tokenizer of the real file."""
     import transformers
 
     path = smollm_path()

@@ -23,7 +23,6 @@ import json
 import textwrap
 from pathlib import Path
 
-import gguf_fixtures as fx
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -54,30 +53,6 @@ PROMPTS = [
     "Write a short story about a robot who learns to paint.",
 ]
 _forward = nnx.jit(lambda model, tokens: model(tokens)[0])
-
-
-@pytest.fixture(scope="module")
-def our_smollm():
-    """(config, model) of the real file, float32."""
-    return fx.our_smollm()
-
-
-@pytest.fixture(scope="module")
-def hf_smollm():
-    """transformers' GGUF loader on the real file, float32."""
-    return fx.hf_smollm()
-
-
-@pytest.fixture(scope="module")
-def hf_smollm_float64():
-    """The reference in float64."""
-    return fx.hf_smollm_float64()
-
-
-@pytest.fixture(scope="module")
-def our_smollm_tokenizer():
-    """Our tokenizer of the real file."""
-    return fx.our_smollm_tokenizer()
 
 
 def _chat_ids(tokenizer, text: str) -> list[int]:

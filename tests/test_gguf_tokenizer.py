@@ -23,7 +23,6 @@ import re
 import unicodedata
 from pathlib import Path
 
-import gguf_fixtures as fx
 import pytest
 from gguf_fixtures import write_tiny_gguf
 from tokenizers import Tokenizer, pre_tokenizers
@@ -93,24 +92,6 @@ UNICODE_CASES = [
     "১২৩ টাকা",
     "१२३",
 ]
-
-
-@pytest.fixture(scope="module")
-def our_smollm_tokenizer():
-    """Our tokenizer of the real file."""
-    return fx.our_smollm_tokenizer()
-
-
-@pytest.fixture(scope="module")
-def hf_smollm_tokenizer():
-    """transformers' tokenizer of the real file."""
-    return fx.hf_smollm_tokenizer()
-
-
-@pytest.fixture(scope="module")
-def smollm_path():
-    """The real file."""
-    return fx.smollm_path()
 
 
 def _alfworld() -> list[str]:

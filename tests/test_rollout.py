@@ -235,6 +235,25 @@ def test_entropy_selector_branches_at_high_entropy_only(pool, policy):
     assert math.isfinite(sel.threshold)
 
 
+def test_selector_rates_follow_the_spend():
+    """An under-spent batch (ratio < 1) makes the rules branch more: a lower entropy quantile, a
+    higher uniform probability; an over-spent one less; clipped to [0, 1]. Rules without a rate
+    have none to move."""
+    entropy, uniform = EntropySelector(quantile=0.5), make_selector("uniform", branch_prob=0.5)
+    entropy.adjust_rate(0.5, 0.2)
+    uniform.adjust_rate(0.5, 0.2)
+    assert (entropy.rate(), uniform.rate()) == (pytest.approx(0.4), pytest.approx(0.6))
+    entropy.adjust_rate(20.0, 1.0)
+    uniform.adjust_rate(20.0, 1.0)
+    assert (entropy.quantile, uniform.prob) == (1.0, 0.0)
+    uniform.set_rate(0.25)
+    assert uniform.rate() == uniform.prob == 0.25
+    interval = make_selector("interval", interval=2)
+    interval.adjust_rate(0.5, 0.2)
+    interval.set_rate(0.3)
+    assert interval.rate() is None and interval.interval == 2
+
+
 def test_posthoc_topk_branches_finished_backbones(pool, policy):
     spec = TreeSpec(root_group=2, num_branches=3, branch_budget=2, max_depth=2)
     forest = grow(pool, policy, spec, make_selector("posthoc_topk"), seed=1)

@@ -181,16 +181,26 @@ class BranchSelector:
     def state_dict(self) -> dict:
         return {}
 
+    # The attribute that holds the rule's adaptable rate in [0, 1] (None: it has none), and the
+    # way the rate moves per unit of `gain * (spend_ratio - 1)`: +1 for a quantile (under-spent,
+    # a lower quantile branches more), -1 for a probability (under-spent, a higher one).
+    rate_attr: str | None = None
+    rate_direction = 1.0
+
     def adjust_rate(self, spend_ratio: float, gain: float) -> None:
         """Branch more often after a batch that spent less than its budget (ratio < 1), less
         often after one that spent more. Rules without a rate (interval, post-hoc) ignore it."""
+        if self.rate_attr is not None:
+            step = self.rate_direction * gain * (spend_ratio - 1.0)
+            self.set_rate(np.clip(self.rate() + step, 0.0, 1.0))
 
     def rate(self) -> float | None:
         """The rule's adaptable rate (a quantile or a probability), None if it has none."""
-        return None
+        return None if self.rate_attr is None else getattr(self, self.rate_attr)
 
     def set_rate(self, value: float) -> None:
-        pass
+        if self.rate_attr is not None:
+            setattr(self, self.rate_attr, float(value))
 
     def reseed(self, seed: int) -> None:
         """Restarts the rule's own random stream from `seed` (rules without one ignore it)."""
@@ -251,6 +261,8 @@ class EntropySelector(BranchSelector):
     """Branch where the action entropy is at or above a running quantile of recent entropies
     (pooled over steps, or per step with `per_step`)."""
 
+    rate_attr = "quantile"  # Under-spent -> a lower quantile -> more steps at or above it.
+
     def __init__(
         self,
         quantile: float = 0.8,
@@ -292,20 +304,13 @@ class EntropySelector(BranchSelector):
     def state_dict(self) -> dict:
         return {"threshold": self.threshold, "quantile": self.quantile}
 
-    def adjust_rate(self, spend_ratio: float, gain: float) -> None:
-        # Under-spent -> a lower quantile -> more steps at or above the threshold.
-        self.quantile = float(np.clip(self.quantile + gain * (spend_ratio - 1.0), 0.0, 1.0))
-
-    def rate(self) -> float:
-        return self.quantile
-
-    def set_rate(self, value: float) -> None:
-        self.quantile = float(value)
-
 
 @register_selector("uniform")
 class UniformSelector(BranchSelector):
     """Branch at any step with probability `branch_prob` (independent of the history)."""
+
+    rate_attr = "prob"
+    rate_direction = -1.0
 
     def __init__(self, branch_prob: float = 0.2, seed: int = 0, **_):
         if not 0.0 <= branch_prob <= 1.0:
@@ -322,15 +327,6 @@ class UniformSelector(BranchSelector):
 
     def ranks(self, entropies: np.ndarray, steps: np.ndarray) -> np.ndarray:
         return self.rng.random(len(steps))  # Uniform ranks: `spread` branches at rate b / R(t).
-
-    def adjust_rate(self, spend_ratio: float, gain: float) -> None:
-        self.prob = float(np.clip(self.prob - gain * (spend_ratio - 1.0), 0.0, 1.0))
-
-    def rate(self) -> float:
-        return self.prob
-
-    def set_rate(self, value: float) -> None:
-        self.prob = float(value)
 
 
 @register_selector("interval")

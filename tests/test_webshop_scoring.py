@@ -210,6 +210,12 @@ TEE_GOAL = dict(
 )
 
 
+def _tee(goal_options, chosen, upstream, project, item=TEE, **goal):
+    """A case of `test_upstream_scoring_hand_checked`: `item` (the tee) bought with `chosen` for
+    TEE_GOAL with `goal_options` (and `goal`'s other changes), and the two expected rewards."""
+    return item, dict(TEE_GOAL, goal_options=goal_options, **goal), chosen, upstream, project
+
+
 @pytest.mark.parametrize(
     "item, goal, chosen, upstream, project",
     [
@@ -226,72 +232,57 @@ TEE_GOAL = dict(
         # "navy blue" reduces to "blue" upstream ('blue' precedes 'navy' in COLOR_SET), which is
         # no match of the goal's "navy"; "large" is an exact size: (1 + 1 + 1) / 4 = 0.75.
         # Project: "navy blue" -> "navy" matches: 4 / 4.
-        (
-            TEE,
-            dict(TEE_GOAL, goal_options=[("color", "navy"), ("size", "large")]),
+        _tee(
+            [("color", "navy"), ("size", "large")],
             {"color": "navy blue", "size": "large"},
             0.75,
             1.0,
         ),
         # "sky blue" and the goal's "navy blue" both reduce to "blue" upstream: 4 / 4.
         # Project: "sky blue" -> "blue" is not "navy": (1 + 1 + 1) / 4.
-        (
-            TEE,
-            dict(TEE_GOAL, goal_options=[("color", "navy blue"), ("size", "large")]),
+        _tee(
+            [("color", "navy blue"), ("size", "large")],
             {"color": "sky blue", "size": "large"},
             1.0,
             0.75,
         ),
         # "x-large" is not the size "large" upstream (exact), and not in the text:
         # (1 + 1 + 1) / 4. Project: token_set_ratio("x-large", "large") = 100: 4 / 4.
-        (
-            TEE,
-            dict(TEE_GOAL, goal_options=[("color", "navy blue"), ("size", "large")]),
+        _tee(
+            [("color", "navy blue"), ("size", "large")],
             {"color": "navy blue", "size": "x-large"},
             0.75,
             1.0,
         ),
         # "dark grey" reduces to "dark" upstream ('dark' precedes 'grey'), the goal's "grey" to
         # itself: no match, "dark" not in the text: (1 + 0 + 1) / 3. Project: both "gray": 3 / 3.
-        (
-            TEE,
-            dict(TEE_GOAL, goal_options=[("color", "grey")]),
-            {"color": "dark grey"},
-            2 / 3,
-            1.0,
-        ),
+        _tee([("color", "grey")], {"color": "dark grey"}, 2 / 3, 1.0),
         # Another query, breadcrumb levels written in lower case (no level equal as written),
         # and 1 of the goal title's 7 words ("cotton"): r_type 0.5 upstream, so 3 / 3 * 0.5.
         # Project: lower-cased levels share 4, r_type 1.
-        (
-            dict(
+        _tee(
+            [("size", "large")],
+            {"size": "large"},
+            0.5,
+            1.0,
+            item=dict(
                 TEE,
                 name="Cotton Polo",
                 query="polo shirts",
                 product_category="clothing, shoes & jewelry › men › clothing › shirts",
             ),
-            dict(
-                TEE_GOAL,
-                goal_options=[("size", "large")],
-                goal_name="Men's Cotton Crew Neck Short Sleeve T-Shirt",
-            ),
-            {"size": "large"},
-            0.5,
-            1.0,
+            goal_name="Men's Cotton Crew Neck Short Sleeve T-Shirt",
         ),
         # Title words counted with repeats upstream: the goal title has 6 ("tea tree shampoo
         # tea tree conditioner"), 1 shared ("shampoo"): 1/6 <= 0.2, r_type 0.5, so 3 / 3 * 0.5.
         # Project: 1 of 4 distinct words = 0.25 > 0.2, r_type 1.
-        (
-            dict(TEE, name="Argan Shampoo", query="shampoo", product_category="Beauty › Hair"),
-            dict(
-                TEE_GOAL,
-                goal_options=[("size", "large")],
-                goal_name="Tea Tree Shampoo and Tea Tree Conditioner",
-            ),
+        _tee(
+            [("size", "large")],
             {"size": "large"},
             0.5,
             1.0,
+            item=dict(TEE, name="Argan Shampoo", query="shampoo", product_category="Beauty › Hair"),
+            goal_name="Tea Tree Shampoo and Tea Tree Conditioner",
         ),
     ],
 )

@@ -16,6 +16,7 @@ from bpo_jax.agent.demos import corpus, notes_fn
 from bpo_jax.config import DTYPES, ExperimentConfig
 from bpo_jax.models import config as model_config
 from bpo_jax.models.factory import create_model
+from bpo_jax.models.lora import LoraConfig, apply_lora
 from bpo_jax.parallel import distributed
 from bpo_jax.sampler.policy import Policy
 from bpo_jax.tokenizer import load_gguf_tokenizer, load_tokenizer, train_sentencepiece
@@ -130,17 +131,32 @@ def make_agent(cfg: ExperimentConfig, tokenizer):
     )
 
 
+def lora_config(cfg: ExperimentConfig) -> LoraConfig | None:
+    """The adapters of `model.lora` (stored in `model.param_dtype`), or None (rank 0)."""
+    lo = cfg.model.lora
+    if not lo.rank:
+        return None
+    return LoraConfig(lo.rank, lo.alpha, tuple(lo.targets), DTYPES[cfg.model.param_dtype])
+
+
+def base_dtypes(cfg: ExperimentConfig):
+    """(compute dtype, storage dtype of the base weights): with LoRA the frozen base is stored
+    in the compute dtype (no float32 master copy: it is never updated)."""
+    dtype = DTYPES[cfg.model.dtype]
+    return dtype, dtype if cfg.model.lora.rank else DTYPES[cfg.model.param_dtype]
+
+
 def build_model(cfg: ExperimentConfig, tokenizer, mesh):
     """(model config, NNX model), created sharded on `mesh` (or imported from HF or GGUF
-    weights)."""
+    weights), with `model.lora`'s adapters added over the base where set."""
     m = cfg.model
-    dtype, param_dtype = DTYPES[m.dtype], DTYPES[m.param_dtype]
+    dtype, param_dtype = base_dtypes(cfg)
     if m.gguf or m.hf_checkpoint:  # Imported weights (exclusive: the config checks it).
         if m.gguf:
             from bpo_jax.models.gguf import load_gguf as load
         else:
             from bpo_jax.models.hf_import import load_hf_checkpoint as load
-        return load(
+        mcfg, model = load(
             m.gguf or m.hf_checkpoint,
             mesh=mesh,
             rules=cfg.mesh.rules,
@@ -148,14 +164,19 @@ def build_model(cfg: ExperimentConfig, tokenizer, mesh):
             param_dtype=param_dtype,
             max_seq_len=m.max_seq_len,
         )
-    mcfg = model_config.get_preset(
-        m.preset,
-        vocab_size=tokenizer.vocab_size,
-        max_seq_len=m.max_seq_len,
-        dtype=dtype,
-        param_dtype=param_dtype,
-    )
-    return mcfg, create_model(mcfg, mesh=mesh, rules=cfg.mesh.rules, seed=cfg.seed)
+    else:
+        mcfg = model_config.get_preset(
+            m.preset,
+            vocab_size=tokenizer.vocab_size,
+            max_seq_len=m.max_seq_len,
+            dtype=dtype,
+            param_dtype=param_dtype,
+        )
+        model = create_model(mcfg, mesh=mesh, rules=cfg.mesh.rules, seed=cfg.seed)
+    lcfg = lora_config(cfg)
+    if lcfg is not None:
+        apply_lora(model, lcfg, seed=cfg.seed, mesh=mesh, rules=cfg.mesh.rules)
+    return mcfg, model
 
 
 def make_policy(cfg: ExperimentConfig, graphdef, params, tokenizer, mcfg, mesh=None) -> Policy:

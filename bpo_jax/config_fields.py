@@ -48,6 +48,12 @@ def one_of(names: Callable[[], Iterable[str]]):
     return check(lambda v: v in set(names()), lambda: f"must be one of {sorted(names())}")
 
 
+def subsection(cls):
+    """A field holding a nested section `cls` (a `Spec`): its mapping is read into `cls` with
+    `read_section` on construction; missing, it takes every default of `cls`."""
+    return dataclasses.field(default_factory=cls, metadata={"subsection": cls})
+
+
 class Spec:
     """Checks every field of a frozen section on construction (see the module docstring)."""
 
@@ -56,6 +62,10 @@ class Spec:
     def __post_init__(self):
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
+            sub = f.metadata.get("subsection")
+            if sub is not None and isinstance(value, Mapping):
+                value = read_section(sub, value, f"{self.section}.{f.name}")
+                object.__setattr__(self, f.name, value)
             if isinstance(value, list):
                 value = tuple(value)
                 object.__setattr__(self, f.name, value)
@@ -95,3 +105,26 @@ def read_section(cls, raw: Mapping[str, Any], name: str):
             f"config.{name} has unknown field(s) {sorted(extra)}; known: {sorted(fields)}."
         )
     return cls(**{f: raw[f] for f in fields if f in raw})
+
+
+# ----------------------------------------------------------------------------- model.lora
+
+LORA_TARGETS = ("q", "k", "v", "o", "gate", "up", "down")  # bpo_jax.models.lora.TARGETS
+
+
+@dataclasses.dataclass(frozen=True)
+class LoraSpec(Spec):
+    """`model.lora`: low-rank adapters over a frozen base (`bpo_jax.models.lora`)."""
+
+    section = "model.lora"
+    rank: int = check(lambda v: v >= 0, "must be >= 0 (0: off, full fine-tuning)", default=0)
+    alpha: float = check(lambda v: v > 0, "must be > 0 (the adapters' scale is alpha / rank)", 32.0)
+    # Of q, k, v, o (attention) and gate, up, down (MLP).
+    targets: tuple = check(
+        lambda v: bool(v) and set(v) <= set(LORA_TARGETS),
+        f"must be a non-empty subset of {LORA_TARGETS}",
+        default=LORA_TARGETS,
+    )
+    dropout: float = check(
+        lambda v: v == 0, "must be 0 (dropout on the adapters' input is not implemented)", 0.0
+    )

@@ -15,6 +15,7 @@ gradient probe all build it with `initial_state` and read and write it with `sav
 from __future__ import annotations
 
 import dataclasses
+import logging
 from typing import Any
 
 import jax
@@ -22,9 +23,11 @@ import jax.numpy as jnp
 
 from bpo_jax import learner
 from bpo_jax.io.checkpoint import Checkpointer, abstract_like
+from bpo_jax.models import lora
 from bpo_jax.rl import RolloutState
 
 PHASES = ("bc", "rl")
+log = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass
@@ -63,8 +66,13 @@ class RunState:
         return dataclasses.replace(self, **changes)
 
     def tree(self) -> dict:
-        """The checkpointed pytree."""
-        out = {"train_state": self.train, "rng": self.rng}
+        """The checkpointed pytree. With LoRA the train state's parameters are the adapters
+        only: the frozen base is not saved (it is rebuilt from its source, `meta["lora_base"]`,
+        and joined to them on restore)."""
+        train = self.train
+        if lora.has_lora(train.params):
+            train = train.replace(params=lora.split_adapters(train.params)[0])
+        out = {"train_state": train, "rng": self.rng}
         if self.ref_params is not None:
             out["ref_params"] = self.ref_params
         if self.critic is not None:
@@ -88,10 +96,21 @@ class RunState:
             step, restored, meta = ckpt.restore(step, abstract_state=abstract)
         if self.critic is not None:
             self.critic.state = restored["critic"]
+        base = self.meta.get("lora_base")
+        if base is not None and meta.get("lora_base", base) != base:
+            log.warning(
+                "The checkpoint's adapters were trained over %r; they are restored over %r.",
+                meta["lora_base"],
+                base,
+            )
         rollout = self.rollout.loaded(meta.pop("rollout", {}))
+        train = restored["train_state"]
+        if lora.has_lora(self.train.params):  # The adapters, onto this state's frozen base.
+            base = lora.split_adapters(self.train.params)[1]
+            train = train.replace(params=lora.merge(base, train.params))
         return dataclasses.replace(
             self,
-            train=restored["train_state"],
+            train=train,
             rng=restored["rng"],
             ref_params=restored.get("ref_params"),
             rollout=rollout,
@@ -110,13 +129,18 @@ def initial_state(cfg, params, optimizer, critic=None) -> RunState:
       critic: PPO's `critic.Critic`, or None.
     """
     use_ref = cfg.train.kl_coef > 0
+    meta = {"phase": "bc", "bc_step": 0, "iteration": 0, "seed": cfg.seed}
+    if lora.has_lora(params):
+        m = cfg.model
+        meta["lora_base"] = m.hf_checkpoint or m.gguf or f"{m.preset} (random, seed {cfg.seed})"
     return RunState(
         train=learner.TrainState(
             params=params, opt_state=optimizer.init(params), step=jnp.zeros((), jnp.int32)
         ),
         rng=jax.random.key(cfg.seed),
-        ref_params=jax.tree.map(jnp.copy, params) if use_ref else None,
+        # With LoRA: zeroed adapters (the reference is the base, adapters off; no model copy).
+        ref_params=learner.reference_params(params) if use_ref else None,
         critic=critic,
         rollout=RolloutState.create(cfg),
-        meta={"phase": "bc", "bc_step": 0, "iteration": 0, "seed": cfg.seed},
+        meta=meta,
     )

@@ -251,7 +251,7 @@ def _init_from(run: Run, state: RunState, mcfg) -> RunState:
             critic = Critic(run.graphdef, mcfg.hidden_size, 1.0, 1, 0, run.tokenizer.pad_id)
     params = state.train.params
     template = initial_state(run.cfg, params, run.updater.optimizer, critic).replace(
-        ref_params=jax.tree.map(jax.numpy.copy, params)
+        ref_params=learner.reference_params(params)
         if float(src_train.get("kl_coef", 0.0)) > 0
         else None
     )
@@ -259,7 +259,7 @@ def _init_from(run: Run, state: RunState, mcfg) -> RunState:
     with Checkpointer(source / "checkpoints") as src:
         loaded = template.restore(src, step=src.latest_step())  # Leaves the source as it is.
     params = loaded.train.params
-    ref = jax.tree.map(jax.numpy.copy, params) if state.ref_params is not None else None
+    ref = learner.reference_params(params) if state.ref_params is not None else None
     print(
         f"Initialised from {source} (update step {loaded.step}, its phase {loaded.phase}, "
         f"iteration {loaded.iteration}).",
@@ -321,7 +321,7 @@ def behaviour_cloning(run: Run, state: RunState) -> RunState:
         state = _clone(run, state, examples)
     # Fresh optimizer moments for RL; the KL reference is the policy RL starts from.
     params = state.train.params
-    ref = jax.tree.map(jax.numpy.copy, params) if state.ref_params is not None else None
+    ref = learner.reference_params(params) if state.ref_params is not None else None
     state = state.replace(
         train=learner.TrainState(
             params=params, opt_state=run.updater.optimizer.init(params), step=state.train.step

@@ -13,10 +13,10 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from bpo_jax import builders, learner
 from bpo_jax import config as config_lib
-from bpo_jax import learner
 from bpo_jax.models import config as model_config
-from bpo_jax.models import factory, sharding
+from bpo_jax.models import factory, lora, sharding
 from bpo_jax.models.llama import KVCache, cache_axes
 from bpo_jax.sampler import programs
 from bpo_jax.sampler.core import offset_bucket
@@ -34,11 +34,8 @@ def validate_for_compile(raw) -> config_lib.ExperimentConfig:
 def model_config_of(cfg: config_lib.ExperimentConfig) -> model_config.ModelConfig:
     """The architecture a run of `cfg` builds (a 7B/8B preset keeps its checkpoint's vocabulary)."""
     m = cfg.model
-    overrides = dict(
-        max_seq_len=m.max_seq_len,
-        dtype=config_lib.DTYPES[m.dtype],
-        param_dtype=config_lib.DTYPES[m.param_dtype],
-    )
+    dtype, param_dtype = builders.base_dtypes(cfg)  # LoRA: the base in the compute dtype.
+    overrides = dict(max_seq_len=m.max_seq_len, dtype=dtype, param_dtype=param_dtype)
     if m.preset == "tiny":
         overrides["vocab_size"] = m.tokenizer_vocab_size
     return model_config.get_preset(m.preset, **overrides)
@@ -48,11 +45,15 @@ def _abstract(shape, dtype, mesh: Mesh, axes: Sequence[str | None]):
     return jax.ShapeDtypeStruct(shape, dtype, sharding=sharding.named_sharding(mesh, axes, shape))
 
 
-def abstract_params(mcfg, mesh: Mesh):
-    """(graphdef, params as sharded `ShapeDtypeStruct`s, their shardings)."""
+def abstract_params(mcfg, mesh: Mesh, lcfg=None):
+    """(graphdef, params as sharded `ShapeDtypeStruct`s, their shardings), with the adapters of
+    `lcfg` (a `lora.LoraConfig`; None: none) over the base."""
     from flax import nnx
 
-    graphdef, state = nnx.split(factory.abstract_model(mcfg))
+    model = factory.abstract_model(mcfg)
+    if lcfg is not None:
+        lora.apply_lora(model, lcfg, mesh=mesh, abstract=True)
+    graphdef, state = nnx.split(model)
     specs = factory.param_specs(state, mesh)
     params = jax.tree.map(
         lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), state, specs
@@ -112,7 +113,7 @@ def lower_update(cfg, mcfg, mesh: Mesh, length: int | None = None):
 
 def abstract_train_state(cfg, mcfg, mesh: Mesh):
     """(the run's `learner.RLUpdater`, its `TrainState` as sharded `ShapeDtypeStruct`s)."""
-    graphdef, params, specs = abstract_params(mcfg, mesh)
+    graphdef, params, specs = abstract_params(mcfg, mesh, builders.lora_config(cfg))
     updater = learner.RLUpdater(graphdef, cfg, 0, lambda *_: None, params=params)
     optimizer = updater.optimizer
     state_sh = learner.state_shardings(optimizer, params, specs)
@@ -194,7 +195,7 @@ def lower_sampler(
     """
     if prefill_bound not in PREFILL_BOUNDS:
         raise ValueError(f"prefill_bound must be one of {PREFILL_BOUNDS}, got {prefill_bound!r}.")
-    graphdef, params, _ = abstract_params(mcfg, mesh)
+    graphdef, params, _ = abstract_params(mcfg, mesh, builders.lora_config(cfg))
     rows = rollout_rows(cfg) if rows is None else rows
     capacity = cfg.agent.max_prompt_tokens + cfg.agent.max_action_tokens
     cache = abstract_cache(mcfg, rows, capacity, mesh)

@@ -30,11 +30,14 @@ from bpo_jax.learner.losses import (
 )
 from bpo_jax.learner.step import (
     TrainState,
+    full_reference,
     make_logprob_fn,
     make_model_fn,
     make_optimizer,
     make_train_step,
+    reference_params,
     state_shardings,
+    trainable,
 )
 
 __all__ = [
@@ -45,6 +48,7 @@ __all__ = [
     "TrainState",
     "bc_loss",
     "chunked_token_logprobs",
+    "full_reference",
     "loss_denominator",
     "loss_denominator_of",
     "make_logprob_fn",
@@ -54,8 +58,10 @@ __all__ = [
     "minibatches",
     "pad_batch",
     "pg_loss",
+    "reference_params",
     "round_up",
     "row_bucket",
     "state_shardings",
     "token_logprobs",
+    "trainable",
 ]

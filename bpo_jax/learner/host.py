@@ -25,6 +25,7 @@ from bpo_jax.learner.batch import pad_batch
 from bpo_jax.learner.losses import pg_loss
 from bpo_jax.learner.step import (
     TrainState,
+    full_reference,
     make_logprob_fn,
     make_optimizer,
     make_train_step,
@@ -182,7 +183,8 @@ class RLUpdater:
             old_lp, _ = self.logprob_fn(state.params, tokens)
             extra = ()
             if t.kl_coef > 0:
-                extra = (self.logprob_fn(ref_params, tokens)[0],)
+                ref = full_reference(state.params, ref_params)  # LoRA: the base, adapters off.
+                extra = (self.logprob_fn(ref, tokens)[0],)
             old_lp = distributed.fetch(old_lp) * batch.loss_mask
             batch = self._global(dataclasses.replace(batch, old_logprobs=old_lp))
             kwargs = {} if scale is None else {"scale": self._global(scale)}

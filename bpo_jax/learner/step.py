@@ -13,7 +13,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from bpo_jax.learner.batch import Batch
 from bpo_jax.learner.losses import _safe_div, loss_denominator, token_logprobs
-from bpo_jax.models import sharding
+from bpo_jax.models import lora, sharding
 from bpo_jax.models.llama import REMAT_POLICIES
 
 
@@ -26,19 +26,56 @@ class TrainState:
     step: jax.Array
 
 
+def trainable(params):
+    """The parameters an update trains: the LoRA adapters where the model has them (the base
+    is frozen), else all of them."""
+    return lora.split_adapters(params)[0] if lora.has_lora(params) else params
+
+
+def _with_trainable(params, new_trainable):
+    """`params` with its trainable part replaced (`trainable`)."""
+    if not lora.has_lora(params):
+        return new_trainable
+    return lora.merge(lora.split_adapters(params)[1], new_trainable)
+
+
+def reference_params(params):
+    """The KL reference's parameters: a copy of the policy, or with LoRA its adapters zeroed
+    (the reference is the base with adapters off; `full_reference` joins them to the base that
+    the policy shares, so there is no second copy of the model)."""
+    if lora.has_lora(params):
+        return jax.tree.map(jnp.zeros_like, trainable(params))
+    return jax.tree.map(jnp.copy, params)
+
+
+def full_reference(params, ref_params):
+    """The reference's whole parameters from `reference_params`' output (LoRA: the policy's
+    frozen base with the reference's adapters)."""
+    if lora.has_lora(params) and not jax.tree.leaves(lora.split_adapters(ref_params)[1]):
+        return lora.merge(lora.split_adapters(params)[1], ref_params)
+    return ref_params
+
+
 def make_optimizer(
     lr: float, weight_decay: float = 0.0, b1: float = 0.9, b2: float = 0.999, grad_clip: float = 0.0
 ) -> optax.GradientTransformation:
-    """AdamW after global-norm clipping (`grad_clip=0` disables clipping).
+    """AdamW after global-norm clipping (`grad_clip=0` disables clipping), over `trainable`
+    parameters only: with LoRA its state holds moments of the adapters, none of the base.
 
     The chain's structure does not depend on the arguments, so optimizer states of different
     phases (behaviour cloning, RL) restore into one another's checkpoint template.
     """
     max_norm = grad_clip if grad_clip > 0 else float("inf")
-    return optax.chain(
+    inner = optax.chain(
         optax.clip_by_global_norm(max_norm),
         optax.adamw(lr, b1=b1, b2=b2, weight_decay=weight_decay),
     )
+
+    def update(grads, opt_state, params=None):
+        # The updates and gradients are over the trainable parameters (`make_train_step`).
+        return inner.update(grads, opt_state, None if params is None else trainable(params))
+
+    return optax.GradientTransformation(lambda params: inner.init(trainable(params)), update)
 
 
 def make_model_fn(
@@ -153,10 +190,11 @@ def make_train_step(
     )
 
     def grads_of(params, batch, extra):
+        # Gradients of the trainable parameters only (LoRA: the adapters; `trainable`).
         def objective(p):
-            return loss_fn(model_fn, p, batch, *extra)
+            return loss_fn(model_fn, _with_trainable(params, p), batch, *extra)
 
-        return jax.value_and_grad(objective, has_aux=True)(params)
+        return jax.value_and_grad(objective, has_aux=True)(trainable(params))
 
     def accumulated(params, batch, extra):
         rows = batch.tokens.shape[0]
@@ -173,9 +211,9 @@ def make_train_step(
             (batch, extra),
         )
         total = loss_denominator(batch, loss_agg)
-        zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
+        zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), trainable(params))
         if shardings is not None:
-            zeros = jax.lax.with_sharding_constraint(zeros, shardings.params)
+            zeros = jax.lax.with_sharding_constraint(zeros, trainable(shardings.params))
 
         def body(carry, xs):
             grad_sum, loss_sum, metric_sum = carry
@@ -196,7 +234,7 @@ def make_train_step(
         (grad_sum, loss, metrics), _ = jax.lax.scan(
             body, (zeros, jnp.float32(0.0), metric_zeros), split
         )
-        grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grad_sum, params)
+        grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grad_sum, trainable(params))
         return (loss, metrics), grads
 
     def train_step(state: TrainState, batch: Batch, *extra, scale=None):
@@ -208,7 +246,8 @@ def make_train_step(
             loss = loss * scale
             grads = jax.tree.map(lambda g: (g.astype(jnp.float32) * scale).astype(g.dtype), grads)
         updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
-        params = optax.apply_updates(state.params, updates)
+        new = optax.apply_updates(trainable(state.params), updates)
+        params = _with_trainable(state.params, new)
         metrics = dict(
             metrics, loss=loss, grad_norm=optax.tree.norm(grads), param_norm=optax.tree.norm(params)
         )
@@ -228,9 +267,10 @@ def make_zero_step(optimizer: optax.GradientTransformation, shardings: TrainStat
     """
 
     def zero_step(state: TrainState):
-        grads = jax.tree.map(jnp.zeros_like, state.params)
+        grads = jax.tree.map(jnp.zeros_like, trainable(state.params))
         updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
-        params = optax.apply_updates(state.params, updates)
+        new = optax.apply_updates(trainable(state.params), updates)
+        params = _with_trainable(state.params, new)
         zero = jnp.zeros((), jnp.float32)
         metrics = {
             "loss": zero,

@@ -25,8 +25,11 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from bpo_jax.models import lora
 from bpo_jax.models.config import ModelConfig
 from bpo_jax.models.kv_cache import _KEY_AXES, _Q_AXES, _VALUE_AXES, KVCache, cache_axes, init_cache  # noqa: F401  (re-exported)
+from bpo_jax.models.layers import MLP, RMSNorm, param
+from bpo_jax.models.layers import stationary_layout as _stationary
 from bpo_jax.models.rope import apply_rope, rope_frequencies
 from bpo_jax.models.sharding import constrain
 
@@ -54,44 +57,7 @@ REMAT_POLICIES = {
 }
 
 
-def _param(rngs: nnx.Rngs, shape, axes, dtype, init: str = "normal", fused=None) -> nnx.Param:
-    """A parameter with `logical_axes` metadata.
-
-    Args:
-      fused: for a "normal" parameter made of several, (axis, [unfused shapes]): each part is
-        drawn as its own matrix, reshaped to `shape` but for `axis`, and the parts are joined
-        along `axis`. A seed then gives the same values as the unfused parameters would.
-    """
-    if init == "normal" and fused is not None:
-        axis, part_shapes = fused
-        part_shape = tuple(shape[:axis]) + (-1,) + tuple(shape[axis + 1 :])
-        draws = [jax.random.normal(rngs.params(), p, jnp.float32) for p in part_shapes]
-        value = 0.02 * jnp.concatenate([d.reshape(part_shape) for d in draws], axis=axis)
-    elif init == "normal":
-        value = 0.02 * jax.random.normal(rngs.params(), shape, jnp.float32)
-    elif init == "ones":
-        value = jnp.ones(shape, jnp.float32)
-    elif init == "zeros":
-        value = jnp.zeros(shape, jnp.float32)
-    else:
-        raise ValueError(f"Unknown initialiser {init!r}.")
-    return nnx.Param(value.astype(dtype), logical_axes=tuple(axes))
-
-
 # ----------------------------------------------------------------------------- modules
-
-
-class RMSNorm(nnx.Module):
-    def __init__(self, dim: int, eps: float, cfg: ModelConfig, rngs: nnx.Rngs, axis="embed"):
-        self.eps = eps
-        self.dtype = cfg.dtype
-        self.weight = _param(rngs, (dim,), (axis,), cfg.param_dtype, init="ones")
-
-    def __call__(self, x):
-        x32 = x.astype(jnp.float32)
-        normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
-        # Like the reference implementations: normalise in float32, cast, then scale.
-        return normed.astype(self.dtype) * self.weight[...].astype(self.dtype)
 
 
 class Attention(nnx.Module):
@@ -111,10 +77,10 @@ class Attention(nnx.Module):
         self.cfg = cfg
         qkv_axes = ("embed", "kv_heads", None, "head_dim")
         qkv_parts = (2, [(d, h, e), (d, k, e), (d, k, e)])
-        self.qkv_proj = _param(rngs, (d, k, h // k + 2, e), qkv_axes, pd, fused=qkv_parts)
-        self.o_proj = _param(rngs, (h, e, d), ("heads", "head_dim", "embed"), pd)
+        self.qkv_proj = param(rngs, (d, k, h // k + 2, e), qkv_axes, pd, fused=qkv_parts)
+        self.o_proj = param(rngs, (h, e, d), ("heads", "head_dim", "embed"), pd)
         if cfg.qkv_bias:
-            self.qkv_bias = _param(rngs, (k, h // k + 2, e), qkv_axes[1:], pd, init="zeros")
+            self.qkv_bias = param(rngs, (k, h // k + 2, e), qkv_axes[1:], pd, init="zeros")
         if cfg.qk_norm:  # Qwen3: each query and key head RMS-normalised over E, before RoPE.
             self.q_norm = RMSNorm(e, cfg.rms_norm_eps, cfg, rngs, axis="head_dim")
             self.k_norm = RMSNorm(e, cfg.rms_norm_eps, cfg, rngs, axis="head_dim")
@@ -162,6 +128,8 @@ class Attention(nnx.Module):
         g = cfg.num_heads // kh
         x_btd = _stationary(x_btd, "embed", stationary)
         qkv = jnp.einsum("btd,dkje->btkje", x_btd, self.qkv_proj[...].astype(dt))
+        if lora.has_adapters(self, "qkv"):
+            qkv = qkv + lora.qkv_delta(self, x_btd, dt, g)
         if stationary:
             qkv = constrain(qkv, ("batch", "length", "kv_heads", None, None))
         if cfg.qkv_bias:
@@ -231,7 +199,10 @@ class Attention(nnx.Module):
         out = out.transpose(0, 3, 1, 2, 4).reshape(b, t, kh * g * e)
         out = _stationary(out, "heads", stationary)
         o_proj = self.o_proj[...].astype(dt).reshape(kh * g * e, -1)
-        out = jnp.einsum("btf,fd->btd", out, o_proj)
+        out_btd = jnp.einsum("btf,fd->btd", out, o_proj)
+        if lora.has_adapters(self, ("o",)):
+            out_btd = out_btd + lora.delta(self, "o", out, dt)
+        out = out_btd
         if k_cache_bkes is None:
             return out, None, None
         return out, keys, values
@@ -259,22 +230,6 @@ def _attend(q_bkgte, keys_bkes, values_bkse, mask_bts) -> jax.Array:
     return (out / total).astype(q_bkgte.dtype)
 
 
-def _stationary(x: jax.Array, axis: str, on: bool) -> jax.Array:
-    """In a decode step, lays the activation out like the weight it is multiplied with.
-
-    A decode step multiplies a few rows by every weight. Under FSDP the rows are split over
-    `fsdp` and the weights' input dimension too; left alone, XLA gathers each weight, and since
-    the gathered weights are the same in every step of the decode loop it hoists the gathers
-    out of the loop: the whole model then sits gathered on every chip (33 GiB per chip for
-    Qwen2.5-7B in float32). Instead the rows are replicated and their last dimension split like
-    the weight's contracted one (`axis`): each chip multiplies its slice of the weight and a
-    reduction over the small [B, ...] result combines them; no weight moves.
-    """
-    if not on:
-        return x
-    return constrain(x, (None,) * (x.ndim - 1) + (axis,))
-
-
 def _causal_blocks(t: int) -> list[tuple[int, int]]:
     """Splits T queries into at most _MAX_QUERY_BLOCKS blocks [i, j) of >= _MIN_QUERY_BLOCK.
 
@@ -283,28 +238,6 @@ def _causal_blocks(t: int) -> list[tuple[int, int]]:
     """
     block = max(_MIN_QUERY_BLOCK, -(-t // _MAX_QUERY_BLOCKS))
     return [(i, min(i + block, t)) for i in range(0, t, block)]
-
-
-class MLP(nnx.Module):
-    """SwiGLU with the gate and up projections stored as one [D, 2, F] weight (one matmul)."""
-
-    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
-        d, f, pd = cfg.hidden_size, cfg.intermediate_size, cfg.param_dtype
-        self.dtype = cfg.dtype
-        gate_up_parts = (1, [(d, f), (d, f)])
-        self.gate_up_proj = _param(rngs, (d, 2, f), ("embed", None, "mlp"), pd, fused=gate_up_parts)
-        self.down_proj = _param(rngs, (f, d), ("mlp", "embed"), pd)
-
-    def __call__(self, x_btd, *, stationary=False):
-        dt = self.dtype
-        x_btd = _stationary(x_btd, "embed", stationary)
-        gate_up = jnp.einsum("btd,djf->btjf", x_btd, self.gate_up_proj[...].astype(dt))
-        hidden = jax.nn.silu(gate_up[:, :, 0]) * gate_up[:, :, 1]
-        if stationary:
-            hidden = _stationary(hidden, "mlp", stationary)
-        else:
-            hidden = constrain(hidden, ("batch", "length", "mlp"))
-        return jnp.einsum("btf,fd->btd", hidden, self.down_proj[...].astype(dt))
 
 
 class DecoderLayer(nnx.Module):
@@ -349,13 +282,13 @@ class Transformer(nnx.Module):
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
         self.cfg = cfg
-        self.embed_tokens = _param(
+        self.embed_tokens = param(
             rngs, (cfg.vocab_size, cfg.hidden_size), ("vocab", "embed"), cfg.param_dtype
         )
         self.layers = nnx.List([DecoderLayer(cfg, rngs) for _ in range(cfg.num_layers)])
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg, rngs)
         if not cfg.tie_embeddings:
-            self.lm_head = _param(
+            self.lm_head = param(
                 rngs, (cfg.hidden_size, cfg.vocab_size), ("embed", "vocab"), cfg.param_dtype
             )
 

@@ -75,6 +75,15 @@ def _added_token(token_id: int, text: str, special: bool) -> dict[str, Any]:
     }
 
 
+def _known(meta: dict[str, Any], key: str, known, which: str, default: Any = None) -> Any:
+    """The metadata value `key` (`default` if absent), which must be one of `known`; else a
+    ValueError that names the value and `which` values this reader knows."""
+    value = meta.get(key, default)
+    if value not in known:
+        raise ValueError(f"GGUF {key}={value!r} is not supported; {which}")
+    return value
+
+
 def tokenizer_data(meta: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
     """(`tokenizer.json`, `tokenizer_config.json`) contents from a GGUF file's metadata.
 
@@ -82,19 +91,13 @@ def tokenizer_data(meta: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]
       ValueError: for a tokenizer model or pre-tokenizer this reader does not know, a token not
         spelled in the byte alphabet, a repeated token, or a special token id out of range.
     """
-    model = meta.get("tokenizer.ggml.model")
-    if model not in SUPPORTED_MODELS:
-        raise ValueError(
-            f"GGUF tokenizer.ggml.model={model!r} is not supported; supported: "
-            f"{SUPPORTED_MODELS} (byte-level BPE)."
-        )
-    pre = meta.get("tokenizer.ggml.pre", "gpt2")
-    if pre not in PRE_TOKENIZERS:
-        raise ValueError(
-            f"GGUF tokenizer.ggml.pre={pre!r} is not supported; known pre-tokenizers: "
-            f"{sorted(PRE_TOKENIZERS)}. Guessing would split text differently from the model's "
-            "training without an error."
-        )
+    supported = f"supported: {SUPPORTED_MODELS} (byte-level BPE)."
+    _known(meta, "tokenizer.ggml.model", SUPPORTED_MODELS, supported)
+    known = (
+        f"known pre-tokenizers: {sorted(PRE_TOKENIZERS)}. Guessing would split text differently "
+        "from the model's training without an error."
+    )
+    pre = _known(meta, "tokenizer.ggml.pre", PRE_TOKENIZERS, known, default="gpt2")
     tokens = list(meta["tokenizer.ggml.tokens"])
     types = list(meta.get("tokenizer.ggml.token_type") or [1] * len(tokens))
     if len(set(tokens)) != len(tokens):

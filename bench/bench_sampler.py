@@ -1,6 +1,6 @@
 """Benchmark: the jitted KV-cache sampler against Hugging Face `generate` on the same weights.
 
-A small Qwen2 (about our `tiny` preset: width 128, 4 layers, vocabulary 1024, tied embeddings)
+A small Qwen2 (our `tiny` preset: width 128, 4 layers, vocabulary 1024, tied embeddings)
 is randomly initialised in PyTorch (float32), saved with `save_pretrained`, and loaded into our
 `Transformer` with `bpo_jax.models.hf_import.load_hf_checkpoint`; the two models' logits are
 compared before anything is timed. Both then sample 64 tokens for 16 prompts of 256 tokens at
@@ -65,7 +65,8 @@ from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from bpo_jax.models import sharding
+from bpo_jax.models import config as model_config
+from bpo_jax.models import gguf, sharding
 from bpo_jax.models.hf_import import load_hf_checkpoint
 from bpo_jax.models.llama import init_cache
 from bpo_jax.sampler import Sampler, row_mesh
@@ -126,19 +127,12 @@ def parse_args():
 
 
 def hf_config(max_positions: int = 1024) -> transformers.Qwen2Config:
-    return transformers.Qwen2Config(
-        vocab_size=1024,
-        hidden_size=128,
-        intermediate_size=384,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=max_positions,
-        rope_theta=10_000.0,
-        rms_norm_eps=1e-6,
-        tie_word_embeddings=True,
-        use_sliding_window=False,
-    )
+    """Our `tiny` preset as a Hugging Face Qwen2 (q/k/v biases, tied embeddings, full attention):
+    `gguf.hf_config`'s translation of a `ModelConfig`, with Qwen2's architecture."""
+    tiny = model_config.tiny(max_seq_len=max_positions)
+    fields = gguf.hf_config({}, tiny)
+    fields.update(model_type="qwen2", architectures=["Qwen2ForCausalLM"], use_sliding_window=False)
+    return transformers.Qwen2Config(**fields)
 
 
 def matmul_peak(n: int = 2048, repeats: int = 2) -> float:

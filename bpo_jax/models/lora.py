@@ -97,7 +97,8 @@ def apply_lora(model, lcfg: LoraConfig, *, seed: int = 0, mesh=None, rules=None,
     """
     from bpo_jax.models import sharding  # Local: sharding imports nothing from here.
 
-    key = jax.random.key(seed)
+    # Nothing is computed for abstract adapters: the compile tool's devices cannot run it.
+    key = None if abstract else jax.random.key(seed)
     for i, layer in enumerate(model.layers):
         for target in lcfg.targets:
             module = layer.self_attn if target in _ATTENTION else layer.mlp

@@ -222,6 +222,49 @@ def test_table2_from_probe_records(runs, tmp_path):
     assert "not at matched spend" in md
 
 
+def test_a_probe_of_its_own_design_gets_its_own_table(runs, tmp_path):
+    from bpo_jax.estimators import PART_SUMS
+    from bpo_jax.study.fshare import f_tables, jsonable
+
+    rng = np.random.default_rng(0)  # Two batches of f parts, as the probe keeps them.
+    parts = [
+        {"task": [0, 1, 2], "depth": [2, 2, 4], "branch_points": [3, 2, 1],
+         **{k: (rng.uniform(0.1, 0.5, 3) * (2.0 if k == "m" else 1.0)).tolist()
+            for k in PART_SUMS}}
+        for _ in range(2)
+    ]  # fmt: skip
+    explained = jsonable(f_tables(parts, "tasks"))
+    design = {"tree": [[0, 3], [4, 2]], "group_size": 4, "predicted_ratio": 0.7, "reason": "why"}
+    probe = {
+        "design": design,
+        "results": {
+            "rloo": {"trace_var": 2.0, "norm_var": 4.0},
+            "bpo": {"trace_var": 1.2, "norm_var": 2.0, "batches": 96, "spend_ratio": 0.99,
+                    "trace_var_ratio_ci95": [0.45, 0.9], "explained": explained},
+        },
+    }  # fmt: skip
+    folder = runs / "probe/design"  # A probe's record: no summary.json.
+    folder.mkdir(parents=True)
+    (folder / "config.json").write_text(json.dumps({"seed": 0}))
+    (folder / "probe.json").write_text(json.dumps(probe))
+    tables.write_tables(runs, tmp_path / "out")
+    t2 = json.loads((tmp_path / "out/table2.json").read_text())
+    # The sweep's own probes make the table as before; the design's is its own.
+    assert (
+        t2["probes"] == ["rloo/seed_0", "rloo/seed_1"] and t2["algorithms"]["bpo"]["mean"] == 0.625
+    )
+    sub = t2["designs"]["design"]
+    assert sub["design"] == design and sub["probes"] == ["probe/design"]
+    bpo = sub["algorithms"]["bpo"]
+    assert bpo["mean"] == pytest.approx(0.6) and bpo["ci95"] == [0.45, 0.9]
+    assert bpo["spend_ratio"] == [0.99] and bpo["explained"]["f"] == explained["f"]
+    md = (tmp_path / "out/results.md").read_text()
+    assert "### Table 2, probe `design`: tree [[0, 3], [4, 2]]" in md
+    assert "(first-order model, from the pilot): 0.70." in md and "Why this design: why" in md
+    assert "| bpo | 1 | 96 | 0.60 | [0.45, 0.90] |" in md
+    assert "f per depth on `bpo`'s probe batches:" in md
+
+
 def test_todays_record_names_and_no_probe(tmp_path):
     """Plain eval names, success means only, run folders not named by a sweep."""
     root = tmp_path / "runs"

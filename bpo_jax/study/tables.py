@@ -66,6 +66,7 @@ from absl import flags
 from bpo_jax import cli
 from bpo_jax.study import fshare, stats
 from bpo_jax.study.records import find_probes, find_runs
+from bpo_jax.study.table2a import markdown as table2a_markdown
 from bpo_jax.study.tables_build import build_table1, build_table2, success_curve
 
 # What tests and callers use from the command's module.
@@ -105,6 +106,38 @@ def comparison_sentence(ref: str, name: str, row: dict, pairs: int) -> str:
     if hi < 0:
         return f"{r} is worse than {n} here: {tail}"
     return f"{r} does not beat {n} here: {tail}"
+
+
+def table2_lines(t2: dict) -> list[str]:
+    """Table 2's rows (one configuration's probes), its notes and how to read its CIs."""
+    if not t2["algorithms"]:
+        return [t2["note"]]
+    lines = [
+        "| algorithm | seeds | batches | trace-variance ratio | 95% CI | norm-variance ratio "
+        "| spend vs " + t2["reference"].upper() + " |",
+        "|---|---|---|---|---|---|---|",
+    ]
+
+    def listed(xs, fmt):
+        return ", ".join("n/a" if x is None else format(x, fmt) for x in xs) or "n/a"
+
+    for name, row in t2["algorithms"].items():
+        ci = "n/a" if row["ci95"] is None else f"[{row['ci95'][0]:.2f}, {row['ci95'][1]:.2f}]"
+        lines.append(
+            f"| {name} | {len(row['seeds'])} | {listed(row.get('batches', []), 'd')} | "
+            f"{row['mean']:.2f} | {ci} | {row['norm_var_mean']:.2f} | "
+            f"{listed(row.get('spend_ratio', []), '.3f')} |"
+        )
+    lines += [
+        "",
+        "The 95% CI of a single probe resamples its batches (`bpo_jax.study.probe`); "
+        "over several "
+        "probes (one per seed) it resamples their ratios. Spend: the algorithm's measured "
+        "cost per task over the reference's, in the same probe.",
+    ]
+    if t2["note"]:
+        lines += ["", t2["note"]]
+    return lines
 
 
 def results_markdown(
@@ -179,34 +212,27 @@ def results_markdown(
             f"{baseline.upper()}'s tokens per task."
         )
     lines += ["", f"## Table 2: gradient variance against {t2['reference'].upper()}", ""]
-    if not t2["algorithms"]:
-        lines.append(t2["note"])
-    else:
-        lines += [
-            "| algorithm | seeds | batches | trace-variance ratio | 95% CI | norm-variance ratio "
-            "| spend vs " + t2["reference"].upper() + " |",
-            "|---|---|---|---|---|---|---|",
-        ]
-
-        def listed(xs, fmt):
-            return ", ".join("n/a" if x is None else format(x, fmt) for x in xs) or "n/a"
-
-        for name, row in t2["algorithms"].items():
-            ci = "n/a" if row["ci95"] is None else f"[{row['ci95'][0]:.2f}, {row['ci95'][1]:.2f}]"
+    lines += table2_lines(t2)
+    for name, sub in t2.get("designs", {}).items():
+        design = sub.get("design") or {}
+        tree = design.get("tree", "as configured")
+        lines += ["", f"### Table 2, probe `{name}`: tree {tree}", ""]
+        if design.get("predicted_ratio") is not None:
             lines.append(
-                f"| {name} | {len(row['seeds'])} | {listed(row.get('batches', []), 'd')} | "
-                f"{row['mean']:.2f} | {ci} | {row['norm_var_mean']:.2f} | "
-                f"{listed(row.get('spend_ratio', []), '.3f')} |"
+                f"Predicted BPO/{t2['reference'].upper()} trace ratio (first-order model, from "
+                f"the pilot): {design['predicted_ratio']:.2f}."
             )
-        lines += [
-            "",
-            "The 95% CI of a single probe resamples its batches (`bpo_jax.study.probe`); "
-            "over several "
-            "probes (one per seed) it resamples their ratios. Spend: the algorithm's measured "
-            "cost per task over the reference's, in the same probe.",
-        ]
-        if t2["note"]:
-            lines += ["", t2["note"]]
+        if design.get("reason"):
+            lines.append(f"Why this design: {design['reason']}")
+        lines += ["", *table2_lines(sub)]
+        for algo, row in sub["algorithms"].items():
+            explained = row.get("explained")
+            if explained:
+                lines += ["", f"f per depth on `{algo}`'s probe batches:", ""]
+                lines.append(fshare.f_markdown(explained["f"], explained["unit"]).rstrip("\n"))
+                if explained.get("table2a"):
+                    lines += ["", f"Table 2a on `{algo}`'s probe batches:", ""]
+                    lines.append(table2a_markdown(explained["table2a"]).rstrip("\n"))
     if f_tables:
         lines += ["", *fshare.section_markdown(f_tables)]
     lines += ["", "## Figures", ""]

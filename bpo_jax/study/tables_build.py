@@ -8,6 +8,7 @@ the tables (JSON, results.md) and the figures.
 
 from __future__ import annotations
 
+import re
 import zlib
 from collections.abc import Sequence
 from pathlib import Path
@@ -189,6 +190,13 @@ def build_table1(
     return table, extra
 
 
+def probe_group(path: Path) -> str:
+    """The configuration a probe folder measured: its name without a seed (`probe/shared`,
+    `probe/seed_3` -> ""; `probe/design`, `probe/design_seed_3` -> "design")."""
+    name = re.sub(r"(^|_)seed_\d+$", "", Path(path).name)
+    return "" if name == "shared" else name
+
+
 def build_table2(
     runs: Sequence[RunRecord | ProbeRecord],
     *,
@@ -199,12 +207,33 @@ def build_table2(
 ) -> dict:
     """Gradient-variance ratios against `baseline` from probe records (`find_probes`), with
     each probe's batches and measured spend against the baseline; `probes` names the records
-    relative to `root` (the `--runs` folder) where given."""
+    relative to `root` (the `--runs` folder) where given.
+
+    The probes of the sweep's own configuration make the table; a probe of its own
+    configuration (`Sweep.probe` with a name, e.g. a fixed design a pilot chose) gets a table of
+    its own under `designs` (name -> its `design` record, `algorithms`, and per tree algorithm
+    `explained`: f per depth and Table 2a over the probe's batches)."""
+    groups: dict[str, list] = {}
+    for r in runs:
+        if r.probe is not None:
+            groups.setdefault(probe_group(r.path), []).append(r)
+    table = _ratio_table(groups.pop("", []), baseline, seed, num_resamples, root, "")
+    for name, members in sorted(groups.items()):
+        sub = _ratio_table(members, baseline, seed, num_resamples, root, name)
+        sub["design"] = members[0].probe.get("design")
+        for algo, row in sub["algorithms"].items():
+            explained = [m.probe["results"].get(algo, {}).get("explained") for m in members]
+            if len(members) == 1 and explained[0] is not None:
+                row["explained"] = explained[0]
+        table.setdefault("designs", {})[name] = sub
+    return table
+
+
+def _ratio_table(probe_runs, baseline, seed, num_resamples, root, group: str) -> dict:
+    """`build_table2`'s table of one configuration's probes (at most one per seed)."""
     probes: dict[int, RunRecord | ProbeRecord] = {}
     notes = []
-    for r in runs:
-        if r.probe is None:
-            continue
+    for r in probe_runs:
         results = r.probe.get("results", {})
         if baseline not in results:
             notes.append(f"{r.path / 'probe.json'} has no {baseline} (it has {sorted(results)}).")
@@ -256,7 +285,8 @@ def build_table2(
             continue
         ratios = rows["trace_var_ratio"]
         if len(ratios) > 1:
-            ci = list(stats.bootstrap_mean_ci(ratios, rng_for(seed, f"t2/{name}"), num_resamples))
+            label = f"t2/{group}/{name}" if group else f"t2/{name}"
+            ci = list(stats.bootstrap_mean_ci(ratios, rng_for(seed, label), num_resamples))
         else:
             ci = list(single_ci) if single_ci is not None else None
         table["algorithms"][name] = {

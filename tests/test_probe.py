@@ -156,6 +156,35 @@ def test_trees_record_f_and_bpo_shrink_takes_lam_from_earlier_batches(tmp_path):
     )
 
 
+def test_variants_take_their_gradients_on_the_first_trees_forests(tmp_path):
+    cfg = probe_config(
+        selector="steps", branch_steps="1", root_group=3, branch_budget=1, max_depth=1
+    )
+    m, algos, variants = 5, ["rloo", "bpo"], ("bpo_traj", "bpo_shrink")
+    store = probe.ProbeStore(tmp_path, {"algos": algos, "variants": list(variants)})
+    results, grads = run(cfg, m, warmup=0, store=store, variants=variants)
+    assert set(results) == {"rloo", "bpo", *variants}
+    bpo = results["bpo"]
+    for v in variants:
+        r = results[v]
+        assert r["same_forests_as"] == "bpo" and r["batches"] == m
+        # The same trees: the same spend and leaves, another estimator's gradients.
+        assert r["task_cost_mean"] == bpo["task_cost_mean"] and r["leaves"] == bpo["leaves"]
+        assert r["explained"]["f"] == bpo["explained"]["f"]
+        assert r["trace_var_ratio"] == pytest.approx(r["trace_var"] / results["rloo"]["trace_var"])
+        assert len(grads.rows[v]) == m and not np.allclose(grads.rows[v], grads.rows["bpo"])
+    # bpo_shrink's lam per batch is the one the batches before it give, as when played alone.
+    batches = store.load("bpo")[0]
+    lams = [float(b["shrink"]) for b in batches]
+    assert results["bpo_shrink"]["shrink_lambda_mean"] == pytest.approx(np.mean(lams))
+    assert "shrink_lambda_mean" not in bpo and lams[0] == DEFAULT_SHRINK
+    # A resumed probe reads the variants' rows back from the store.
+    again, grads2 = run(cfg, m, warmup=0, store=store, variants=variants)
+    assert not grads2.rows and again["bpo_traj"]["trace_var"] == results["bpo_traj"]["trace_var"]
+    with pytest.raises(ValueError, match="variants"):
+        run(cfg, 2, warmup=0, variants=("rloo",))
+
+
 class Interrupted(Exception):
     pass
 

@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from collections.abc import Sequence
 
 import jax
 import numpy as np
@@ -98,6 +99,7 @@ def run_probe(
     seed: int = 0,
     store: ProbeStore | None = None,
     progress=None,
+    variants: Sequence[str] = (),
 ) -> dict:
     """Plays `num_batches` recorded batches per algorithm at matched spend; returns the stats.
 
@@ -119,12 +121,20 @@ def run_probe(
       store: where recorded batches are kept as they finish; a probe that finds batches there
         resumes after them (`ProbeStore`).
       progress: `fn(line)` called once per recorded batch (seconds, spend, leaves).
+      variants: tree algorithms whose estimators are also applied to the first tree
+        algorithm's forests (`bpo_traj`, `bpo_shrink`: the same trees and spend, another
+        baseline), reported like the others and marked `same_forests_as`.
 
     Returns:
       {algo: statistics}; `spend_warning` is set where the spend is not matched.
     """
-    if len(algos) < 1 or any(a not in ALGORITHMS for a in algos):
+    if len(algos) < 1 or any(a not in ALGORITHMS for a in (*algos, *variants)):
         raise ValueError(f"algos must name algorithms in {sorted(ALGORITHMS)}, got {algos}.")
+    trees = [a for a in algos if ALGORITHMS[a].branches]
+    if variants and (not trees or not all(ALGORITHMS[v].branches for v in variants)):
+        raise ValueError(f"variants {variants} need tree algorithms, and one in algos {algos}.")
+    if set(variants) & set(algos):
+        raise ValueError(f"variants {variants} are played on their own in algos {algos}.")
     if num_batches < 2:
         raise ValueError(f"num_batches must be >= 2 for a variance, got {num_batches}.")
     if encode is None:  # The run's own turn format (tiny or chat).
@@ -153,13 +163,19 @@ def run_probe(
             acfg = dataclasses.replace(
                 acfg, rollout=dataclasses.replace(cfg.rollout, budget=matched)
             )
-        recorded = sampler.record(ai, algo, acfg, num_batches, matched)
+        own = tuple(variants) if trees and algo == trees[0] else ()
+        recorded = sampler.record(ai, algo, acfg, num_batches, matched, own)
         results[algo], grams[algo], per_task_grams[algo] = algorithm_statistics(
             algo, algos[0], recorded, budget, matched
         )
+        for v, rec in recorded.variants.items():
+            results[v], grams[v], per_task_grams[v] = algorithm_statistics(
+                v, algos[0], rec, budget, matched
+            )
+            results[v]["same_forests_as"] = algo
         if ai == 0:
             budget = results[algo]["task_cost_mean"]
-    add_ratios(results, grams, per_task_grams, algos, boot, num_resamples)
+    add_ratios(results, grams, per_task_grams, [*algos, *variants], boot, num_resamples)
     return results
 
 
@@ -174,7 +190,7 @@ def _width(params) -> int:
 PROG = "python -m bpo_jax.study.probe"
 
 
-def check_arguments(config, workdir: str, algos: str, batches: int):
+def check_arguments(config, workdir: str, algos: str, batches: int, variants: Sequence[str] = ()):
     """The command line's mistakes, before any model is built: a config field, an unknown
     algorithm, too few batches, a --workdir (or the run `init_from` names) without the trained
     policy it reads. Returns the validated config and the algorithms.
@@ -192,6 +208,12 @@ def check_arguments(config, workdir: str, algos: str, batches: int):
         )
     if batches < 2:
         raise ValueError(f"--batches must be >= 2 for a variance, got {batches}.")
+    bad = [v for v in variants if v not in ALGORITHMS or not ALGORITHMS[v].branches or v in names]
+    if bad or (variants and not any(ALGORITHMS[a].branches for a in names)):
+        raise ValueError(
+            f"--variants={','.join(variants)}: name tree algorithms not in --algos, applied to "
+            f"the first tree algorithm of --algos ({names}){f'; not usable: {bad}' if bad else ''}."
+        )
     source = files.as_path(workdir)
     if not (source / "checkpoints").is_dir() and cfg.init_from:
         source = files.as_path(cfg.init_from)
@@ -270,7 +292,7 @@ def main(argv):
 
     f = flags.FLAGS
     with cli.start_up_errors(PROG):
-        cfg, algos = check_arguments(f.config, f.workdir, f.algos, f.batches)
+        cfg, algos = check_arguments(f.config, f.workdir, f.algos, f.batches, f.variants)
     platforms.quiet_start()  # Before anything touches a device.
     absl_logging.set_verbosity(absl_logging.WARNING)  # Orbax logs every checkpoint operation.
     workdir = files.as_path(f.workdir)
@@ -300,6 +322,7 @@ def main(argv):
             "batches": f.batches,
             "warmup_batches": f.warmup_batches,
             "sketch_dim": f.sketch_dim,
+            "variants": list(f.variants),
             "tasks": [t.task_id for t in tasks],
             "source": str(source),
             "update_step": int(step),
@@ -320,9 +343,11 @@ def main(argv):
             seed=cfg.seed,
             store=store,
             progress=lambda line: print(line, flush=True),
+            variants=tuple(f.variants),
         )
     design = design_record(cfg, predicted, f.design_reason)
-    write_report(workdir, step, [t.task_id for t in tasks], results, algos, design)
+    names = [*algos, *f.variants]
+    write_report(workdir, step, [t.task_id for t in tasks], results, names, design)
 
 
 if __name__ == "__main__":
@@ -342,5 +367,8 @@ if __name__ == "__main__":
         "predicted", None, "The design's predicted BPO/RLOO trace (a pilot's), for the record."
     )
     flags.DEFINE_string("design_reason", "", "Why this design (for the record).")
+    flags.DEFINE_list(
+        "variants", [], "Tree estimators also applied to the first tree algorithm's forests."
+    )
     flags.mark_flags_as_required(["config", "workdir"])
     cli.run(main, PROG, explain=unknown_field)

@@ -279,7 +279,13 @@ class BatchSampler:
         self.entropies: list[float] = []
 
     def record(
-        self, index: int, algo: str, acfg: ExperimentConfig, num_batches: int, budget: float | None
+        self,
+        index: int,
+        algo: str,
+        acfg: ExperimentConfig,
+        num_batches: int,
+        budget: float | None,
+        variants: tuple[str, ...] = (),
     ) -> Recorded:
         """Plays `num_batches` recorded batches of `algo` (`acfg` its config), after the store's.
 
@@ -290,6 +296,9 @@ class BatchSampler:
           num_batches: M, the batches recorded in all (the store's included).
           budget: the explicit budget of a tree algorithm at matched spend; it first plays
             `warmup_batches` unrecorded batches. None: the reference, or no tree.
+          variants: tree algorithms whose gradients are also taken on `algo`'s forests (other
+            estimators on the same trees and spend: a paired comparison); each gets a record in
+            the returned one's `variants`.
         """
         shared, entropies = self.shared, self.entropies
         # A tree algorithm measures f on every batch, and `bpo_shrink`'s lam for a batch comes
@@ -312,25 +321,30 @@ class BatchSampler:
         leaves = [int(b["leaves"]) for b in done]
         tokens = [int(b["tokens"]) for b in done]
         parts = [_parts_of(b) for b in done]
-        shrinks = [float(b["shrink"]) for b in done if "shrink" in b]
+        lams = [float(b["shrink"]) for b in done if "shrink" in b]
+        variant_rows = {v: [b[f"rows@{v}"] for b in done] for v in variants}
         if index == 0:
             entropies += [float(x) for b in done for x in b["entropies"]]
         first = len(done) if done else -(self.warmup_batches if budget is not None else 0)
         for m in range(first, num_batches):
             start = time.perf_counter()
             key = jax.random.fold_in(self.rng, 100_000 * index + m + 1000)
-            shrink = None  # `bpo_shrink`'s lam, from the batches before this one.
-            if state.explained is not None and acfg.algorithm.estimator == SHRINK_ESTIMATOR:
-                shrink = state.explained.shrink_lambda()
+            # `bpo_shrink`'s lam for this batch, from the batches before it only.
+            lam = state.explained.shrink_lambda() if state.explained is not None else None
             forest = _play(self.pool, self.policy, self.encode, self.tasks, acfg, state, key)
             batch_parts = measure_parts(forest) if state.explained is not None else None
             if batch_parts is not None:
                 state.explained.add(batch_parts)
             if m < 0:
                 continue
-            adv, _ = forest_advantages(forest, acfg, critic, self.params, shrink)
+            adv, _ = forest_advantages(forest, acfg, critic, self.params, _lam_of(acfg, lam))
             weights = forest.step_weights(acfg.train.step_weighting)
             g = self.gradients(forest, adv, weights, acfg)
+            exact_batch = getattr(self.gradients, "exact_batch", None)
+            for v in variants:  # The same forest under another estimator.
+                vcfg = dataclasses.replace(acfg, train=dataclasses.replace(acfg.train, algo=v))
+                v_adv, _ = forest_advantages(forest, vcfg, None, self.params, _lam_of(vcfg, lam))
+                variant_rows[v].append(np.asarray(self.gradients(forest, v_adv, weights, vcfg)))
             batch = {
                 "rows": np.asarray(g, np.float64),
                 "costs": np.asarray(forest.task_cost, np.float64),
@@ -343,14 +357,14 @@ class BatchSampler:
                     np.float64,
                 ),
             }
+            batch.update({f"rows@{v}": variant_rows[v][-1] for v in variants})
             if batch_parts is not None:
                 batch.update({f"parts_{k}": np.asarray(v) for k, v in batch_parts.items()})
                 parts.append(batch_parts)
-            if shrink is not None:
-                batch["shrink"] = np.asarray(shrink, np.float64)
-                shrinks.append(float(shrink))
+                batch["shrink"] = np.asarray(lam, np.float64)
+                lams.append(float(lam))
             if self.exact:
-                trace.add(self.gradients.exact_batch)  # None: this batch's gradient is exactly 0.
+                trace.add(exact_batch)  # None: this batch's gradient is exactly 0.
             if store is not None:
                 store.save(algo, m, batch, state.dump(), trace)
             rows.append(batch["rows"])
@@ -367,7 +381,20 @@ class BatchSampler:
                     f"{batch['costs'].mean():.0f}{target}, {len(forest.leaves)} leaves, "
                     f"{int(np.count_nonzero(np.asarray(adv)))} steps with an advantage"
                 )
-        return Recorded(rows, costs, leaves, tokens, trace if self.exact else None, parts, shrinks)
+        shrinks = lams if _lam_of(acfg, 0.0) is not None else []
+        out = Recorded(rows, costs, leaves, tokens, trace if self.exact else None, parts, shrinks)
+        for v in variants:
+            vcfg = dataclasses.replace(acfg, train=dataclasses.replace(acfg.train, algo=v))
+            v_shrinks = lams if _lam_of(vcfg, 0.0) is not None else []
+            out.variants[v] = Recorded(
+                variant_rows[v], costs, leaves, tokens, None, parts, v_shrinks
+            )
+        return out
+
+
+def _lam_of(cfg: ExperimentConfig, lam: float | None) -> float | None:
+    """`lam` where `cfg`'s estimator takes one (`bpo_shrink`), else None."""
+    return lam if cfg.algorithm.estimator == SHRINK_ESTIMATOR else None
 
 
 def _parts_of(batch: dict) -> dict | None:

@@ -57,6 +57,8 @@ class Recorded:
     # batch stored before they were), and `bpo_shrink`'s lam per batch (from earlier batches).
     parts: list[dict | None] = dataclasses.field(default_factory=list)
     shrinks: list[float] = dataclasses.field(default_factory=list)
+    # Other estimators' gradients on the same batches (`BatchSampler.record`'s `variants`).
+    variants: dict[str, Recorded] = dataclasses.field(default_factory=dict)
 
 
 def _trace_summary(k: np.ndarray, norms: np.ndarray) -> dict:

@@ -316,6 +316,7 @@ def test_probes_of_their_own_configuration_are_named_runs():
         batches=96,
         name="design",
         overrides={"rollout.selector": "steps", "rollout.branch_steps": "4"},
+        variants=("bpo_shrink",),
         predicted=0.71,
         reason="the pilot's choice",
     )
@@ -326,7 +327,7 @@ def test_probes_of_their_own_configuration_are_named_runs():
     assert [r.name for r in once[:3]] == ["bc/shared", "probe/shared", "probe/design"]
     run = once[2]
     assert run.init_from == "bc/shared" and run.probe_flags == (
-        "--algos=rloo,bpo,bpo_traj", "--batches=96", "--predicted=0.71",
+        "--algos=rloo,bpo,bpo_traj", "--batches=96", "--variants=bpo_shrink", "--predicted=0.71",
         "--design_reason=the pilot's choice",
     )  # fmt: skip
     assert "--config.rollout.branch_steps=4" in run.overrides

@@ -45,6 +45,8 @@ class Probe:
         `probe/seed_<n>`); else a probe with its own `overrides` (`probe/<name>`, or
         `probe/<name>_seed_<n>`), e.g. a fixed design a pilot chose.
       overrides: config overrides on top of the sweep's (field -> value).
+      variants: tree estimators also applied to the first tree algorithm's forests (the
+        probe's `--variants`: the same trees under another baseline).
       predicted: the design's predicted BPO/RLOO trace ratio (from a pilot), for the record.
       reason: why this design, for the record (probe.json's `design`).
     """
@@ -53,6 +55,7 @@ class Probe:
     batches: int = 64
     name: str = ""
     overrides: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    variants: tuple[str, ...] = ()
     predicted: float | None = None
     reason: str = ""
 
@@ -214,6 +217,8 @@ def expand(sweep: Sweep) -> list[Run]:
             own = pr.name if start == BC_SHARED else f"{pr.name}_{own}"
         name = f"{PROBE_GROUP}/{own}"
         probe = (f"--algos={','.join(pr.algos)}", f"--batches={pr.batches}")
+        if pr.variants:
+            probe += (f"--variants={','.join(pr.variants)}",)
         if pr.predicted is not None:
             probe += (f"--predicted={pr.predicted}",)
         if pr.reason:

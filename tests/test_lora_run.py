@@ -3,12 +3,16 @@ cloning and RL train the adapters, the KL reference is the base, PPO's critic re
 adapted policy's features, checkpoints hold the adapters only, and a longer run resumes."""
 
 import json
+import subprocess
+from pathlib import Path
 
 import numpy as np
 import pytest
 from test_experiments import tiny_cpu_config
 
 from bpo_jax.io.checkpoint import Checkpointer
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def _flat_keys(tree, prefix=""):
@@ -54,3 +58,23 @@ def test_two_iterations_with_lora_then_resume(tmp_path, algo):
     iters = [r["train/iteration"] for r in read_metrics(tmp_path) if "train/iteration" in r]
     assert iters == [1, 2, 3]
     assert json.loads((tmp_path / "summary.json").read_text())["iterations"] == 3
+
+
+@pytest.mark.slow
+def test_device_check_script_runs_on_the_cpu_at_a_tiny_size(tmp_path):
+    """scripts/device_check_7b.sh --tiny: the accelerator check's programs (LoRA and full
+    updates, a prefill and a decode) on the tiny preset; about 90 s on 2 busy cores."""
+    out = tmp_path / "check.json"
+    proc = subprocess.run(
+        ["bash", "scripts/device_check_7b.sh", "--tiny", "--full", "--steps=1", f"--json={out}"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    report = json.loads(out.read_text())
+    for name in ("update_lora", "update_full", "prefill", "decode"):
+        assert report[name]["tokens_per_s"] > 0, name
+        assert report[name]["mfu"] is None  # No peak FLOP/s is known for a CPU.
+    assert "update_lora: " in proc.stdout and "turn (8 rows)" in proc.stdout

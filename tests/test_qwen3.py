@@ -151,3 +151,19 @@ def test_preset_matches_hf_checkpoint_config(name):
     assert got == want
     count = int(config.PRESETS[name].__doc__.split(": ")[1].split(" ")[0].replace(",", ""))
     assert count == want, f"{name}'s docstring says {count:,} parameters, the model has {want:,}"
+
+
+@pytest.mark.parametrize("experiment", ["alfworld", "webshop", "swebench"])
+def test_experiments_take_the_qwen3_variant(experiment):
+    from bpo_jax.compile import model_config_of, validate_for_compile
+    from bpo_jax.config import validate
+    from bpo_jax.experiment import load_experiment
+
+    raw = load_experiment(f"experiments/{experiment}.py").get_config("model=qwen3_8b")
+    raw.model.hf_checkpoint = "/path/to/Qwen3-8B"
+    assert validate(raw).model.preset == "qwen3_8b"
+    raw.model.lora.rank = 16
+    mcfg = model_config_of(validate_for_compile(raw))
+    assert mcfg.qk_norm and mcfg.num_layers == 36
+    # With LoRA the frozen base is stored in the compute dtype (bfloat16), not float32.
+    assert mcfg.param_dtype == jnp.bfloat16

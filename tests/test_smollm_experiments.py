@@ -76,12 +76,22 @@ def test_builders_load_the_model_and_act(tmp_path):
     assert 0 < len(sample.token_ids) <= 8 and sample.text == tok.decode(sample.token_ids)
 
 
-@pytest.mark.slow  # About 10 minutes on 2 shared cores.
+@pytest.mark.slow  # 4 minutes on 2 busy shared cores (2026-12-05; 6 at CPU_CHAT's lengths).
 def test_alfworld_evaluates_the_real_model(tmp_path):
-    """The main job with the real model and no network: one evaluation game, two steps."""
+    """The main job with the real model and no network: one evaluation game, two steps.
+
+    Prompts of up to 256 tokens (the chat agent cuts the observation to fit) and answers of up
+    to 16: the prefill and decode of a turn are most of the test's time, and the lengths are not
+    what it checks (`test_variant_validates` checks the variant's own)."""
     from bpo_jax.train import train_and_evaluate
 
-    fields = {"train.iterations": 0, "eval.num_tasks": 1, "env.max_steps": 2}
+    fields = {
+        "train.iterations": 0,
+        "eval.num_tasks": 1,
+        "env.max_steps": 2,
+        "agent.max_prompt_tokens": 256,
+        "agent.max_action_tokens": 16,
+    }
     summary = train_and_evaluate(smollm_config("alfworld", **fields), tmp_path)
     assert summary["eval_tasks"] == 1 and summary["iterations"] == 0
     assert 0.0 <= summary["success_before_rl"] <= 1.0

@@ -1,13 +1,31 @@
 """Shared pytest setup."""
 
+import atexit
 import os
+import shutil
+import tempfile
 from pathlib import Path
 
 import gguf_fixtures
+import jax
 import pytest
 
 # The repo is checked out next to a `shared/` folder that holds the data sets tests play on.
 _SHARED_DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
+
+# Compiled XLA programs shared by the tests of a session and the processes they start: many
+# compile the same tiny programs (the main job's update and sampler, the learner's). JAX's
+# persistent compilation cache, in a fresh folder removed at the end (unless the caller names
+# one with JAX_COMPILATION_CACHE_DIR).
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="bpo_jax_tests_xla_")
+    atexit.register(shutil.rmtree, os.environ["JAX_COMPILATION_CACHE_DIR"], ignore_errors=True)
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.2")
+jax.config.update("jax_compilation_cache_dir", os.environ["JAX_COMPILATION_CACHE_DIR"])
+jax.config.update(
+    "jax_persistent_cache_min_compile_time_secs",
+    float(os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"]),
+)
 
 
 @pytest.fixture(scope="session", autouse=True)

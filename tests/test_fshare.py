@@ -44,6 +44,8 @@ def test_fshare_command(tmp_path):
     assert data["unit"] == "tasks" and [r["depth"] for r in data["f"]] == [1, 2, "all"]
     assert data["f"][-1]["f"] == pytest.approx(share.summary()["f"], rel=1e-9)
     assert data["f"][-1]["units"] == 120 and data["f"][-1]["branch_points"] == 120 * 9
+    var_units = sum(len({t for t, v in zip(p["task"], p["var_return"]) if v > 0}) for p in parts)
+    assert data["f"][-1]["units_with_variance"] == var_units and "Var(R) > 0" in text
     lo, hi = data["f"][-1]["f_ci"]
     assert lo < data["f"][-1]["f"] < hi
     rows = data["table2a"]

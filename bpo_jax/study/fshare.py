@@ -89,6 +89,8 @@ def f_rows(
                 "depth": depth,
                 "branch_points": int(sums["branch_points"].sum()),
                 "units": int(len(units)),
+                # Units whose backbones' returns varied: only these inform f (a ratio of sums).
+                "units_with_variance": int(np.count_nonzero(sums["var_return"] > 0)),
                 "between": float(sums["between"].sum()),
                 "var_return": float(sums["var_return"].sum()),
                 "f": f,
@@ -175,14 +177,16 @@ def _num(x: float, digits: int = 3) -> str:
 def f_markdown(rows: Sequence[dict], unit: str) -> str:
     """The f table as Markdown."""
     lines = [
-        f"| depth | branch points | {unit} | f | 95% CI |",
-        "|---|---|---|---|---|",
+        f"| depth | branch points | {unit} | {unit} with Var(R) > 0 | f | 95% CI |",
+        "|---|---|---|---|---|---|",
     ]
     for r in rows:
         lo, hi = r["f_ci"]
         ci = "n/a" if not (math.isfinite(lo) and math.isfinite(hi)) else f"[{lo:.3f}, {hi:.3f}]"
+        informative = r.get("units_with_variance", "n/a")
         lines.append(
-            f"| {r['depth']} | {r['branch_points']} | {r['units']} | {_num(r['f'])} | {ci} |"
+            f"| {r['depth']} | {r['branch_points']} | {r['units']} | {informative} | "
+            f"{_num(r['f'])} | {ci} |"
         )
     return "\n".join(lines) + "\n"
 

@@ -48,6 +48,27 @@ was chosen (below) on the 55 development games held out of the training games
   their before-RL evaluation, and the greedy one is shared by every seed (`share_evals`). RL
   trains on the 107 games BC cloned.
 
+TABLE 2 AT A DESIGN THAT CAN WIN (issue 30 item 6; written 2026-12-05, after the pilot and
+before any probe of a design):
+  - The pilot (`python -m bpo_jax.study.pilot`, README "Pilot"; record in
+    results/alfworld_cpu/pilot/shared) re-made bc/shared (its BC loss at step 1,200 equal to the
+    record's, 0.31011), then played at its parameters one `bpo` batch per branch step d in
+    1, 2, 4, 6, 8, 12, 16 (K0 = N = 4 backbones, every path branching into 2 at d, no budget) on
+    16 training tasks the probe does not play (training order 4-19): 431 branch points.
+  - What it measured: only 7 of its 109 (batch, task) draws had any return variance (the start
+    wins a training game rarely, and almost every episode runs to the 32-step limit: survival
+    0.92 at step 31). f per depth is unmeasurable at that spread: 0 to 2 informative tasks per
+    depth, pooled f 0.23 (95% CI -0.14 to 0.89). Table 2a on these forests: E[A^2] sibling 0.028
+    against trajectory 0.034, reduction 0.006 (-0.006 to 0.020), predicted 0.008.
+  - The first-order model (`rollout/design.py`) fitted to that profile at a budget of N = 4
+    episodes predicts no tree below RLOO(4): the best, [[0, 2], [10, 2], [26, 2]], at 1.02, and
+    K0 = 3 with K = 2 at 1.03-1.24 (branching at step 12 to 2); `choose_design` falls back to
+    independent groups (K0 = N). So no design with a predicted win exists at this start, and the
+    powered design probe is not run at it: a probe sized to exclude 1 needs a predicted ratio
+    below 1. What would change it: a start whose returns vary within a task (more wins), or a
+    pilot over many more tasks (`pilot/wide`: 48 other training tasks at d = 2, 6, 12, running;
+    resumable).
+
 The fields a reader changes:
   - `OVERRIDES["rollout.root_group"]` (K0), `["rollout.num_branches"]` (K),
     `["rollout.branch_budget"]`, `["rollout.max_depth"]`: the tree, from the map;

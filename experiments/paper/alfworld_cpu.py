@@ -67,7 +67,10 @@ before any probe of a design):
     powered design probe is not run at it: a probe sized to exclude 1 needs a predicted ratio
     below 1. What would change it: a start whose returns vary within a task (more wins), or a
     pilot over many more tasks (`pilot/wide`: 48 other training tasks at d = 2, 6, 12, running;
-    resumable).
+    resumable). Both pilots take the probe's flags (`--dry_run` prints them) with
+    `-m bpo_jax.study.pilot --workdir=<sweep>/pilot/<name> --reference_probe=
+    results/alfworld_cpu/probe/shared/probe.json` and, for `shared`, `--depths=1,2,4,6,8,12,16
+    --tasks=16 --first_task=4`; for `wide`, `--depths=2,6,12 --tasks=48 --first_task=20`.
 
 The fields a reader changes:
   - `OVERRIDES["rollout.root_group"]` (K0), `["rollout.num_branches"]` (K),

@@ -72,6 +72,15 @@ before any probe of a design):
     results/alfworld_cpu/probe/shared/probe.json` and, for `shared`, `--depths=1,2,4,6,8,12,16
     --tasks=16 --first_task=4`; for `wide`, `--depths=2,6,12 --tasks=48 --first_task=20`.
 
+  - `pilot/wide` (added 2026-12-05 after it finished; record in results/alfworld_cpu/pilot/wide):
+    48 other training tasks (order 20-67) at d = 2, 6, 12, 572 branch points, 13 of 144 task
+    draws with return variance; f 0.03 (-0.36 to 0.54) at d = 2, 0.33 (0.00 to 1.00) at 6, 0.18
+    (0.00 to 0.73) at 12, pooled 0.14 (-0.13 to 0.44). Fitted to it the model predicts a small
+    win for [[0, 2], [6, 2], [28, 2]]: 0.92 at spend 1.00. From the first probe's spread (SD of
+    the log ratio 0.20 at 64 batches) a probe needs 3,035 batches per algorithm for its CI to
+    exclude 1 with 80% power (1,486 for 50%): about 50 hours per algorithm on this CPU. So no
+    powered probe is run here: the predicted gain is too small to test at CPU scale.
+
 The fields a reader changes:
   - `OVERRIDES["rollout.root_group"]` (K0), `["rollout.num_branches"]` (K),
     `["rollout.branch_budget"]`, `["rollout.max_depth"]`: the tree, from the map;

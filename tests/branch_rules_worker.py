@@ -42,6 +42,8 @@ CONFIG = {
     # One length bucket for every prompt: fewer programs to compile.
     "sampler.length_bucket": 256,
 }
+# Fields a rule needs beyond the base config: `steps` branches at fixed steps it is given.
+RULE_FIELDS = {"steps": {"branch_steps": "2"}}
 
 
 def record(forest, rollout) -> dict:
@@ -99,7 +101,9 @@ def main(argv):
             for shares in (1, 2) if mode == "one" else (2,):
                 cfg = dataclasses.replace(
                     base,
-                    rollout=dataclasses.replace(base.rollout, selector=rule),
+                    rollout=dataclasses.replace(
+                        base.rollout, selector=rule, **RULE_FIELDS.get(rule, {})
+                    ),
                     mesh=dataclasses.replace(base.mesh, task_shards=shares),
                 )
                 rollout = RolloutState.create(cfg)

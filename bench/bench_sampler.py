@@ -135,6 +135,17 @@ def hf_config(max_positions: int = 1024) -> transformers.Qwen2Config:
     return transformers.Qwen2Config(**fields)
 
 
+def check_parity(hf, model, prompts: np.ndarray) -> float:
+    """Max |logit difference| of our model against HF's on `prompts`; exits above 1e-3."""
+    with torch.inference_mode():
+        ref = hf(torch.from_numpy(prompts)).logits.numpy()
+    ours = np.asarray(model(jnp.asarray(prompts, jnp.int32))[0])
+    parity = float(np.abs(ours - ref).max())
+    if parity > 1e-3:
+        raise SystemExit(f"Our model disagrees with HF on the same weights: max |dlogit| {parity}")
+    return parity
+
+
 def matmul_peak(n: int = 2048, repeats: int = 2) -> float:
     """Best float32 FLOP/s of an n x n jnp matmul (the machine's practical peak)."""
     a = jax.random.normal(jax.random.key(0), (n, n), jnp.float32)
@@ -191,12 +202,7 @@ def main():
     graphdef, params = nnx.split(model)
     prompts = np.random.default_rng(0).integers(0, cfg.vocab_size, (b, p), dtype=np.int64)
 
-    with torch.inference_mode():
-        ref = hf(torch.from_numpy(prompts[:2])).logits.numpy()
-    ours = np.asarray(model(jnp.asarray(prompts[:2], jnp.int32))[0])
-    parity = float(np.abs(ours - ref).max())
-    if parity > 1e-3:
-        raise SystemExit(f"Our model disagrees with HF on the same weights: max |dlogit| {parity}")
+    parity = check_parity(hf, model, prompts[:2])
 
     if args.shape in ("turn", "paper_turn"):
         mesh = sharding.make_mesh({"data": args.replicas}, devices=jax.devices()[: args.replicas])

@@ -58,19 +58,17 @@ def turn_prompts(args, vocab: int, turn: int) -> list[np.ndarray]:
 
 
 def hf_sample(hf, ids, attention_mask, num_new: int, temperature: float):
-    """HF's `generate` as our sampler samples: exactly `num_new` tokens a row at `temperature`,
-    no top-k or top-p cut."""
+    """HF's `generate` as our sampler samples: exactly `num_new` tokens a row at `temperature`
+    (greedy at 0), no top-k or top-p cut."""
+    sampling = dict(do_sample=True, temperature=temperature, top_k=0, top_p=1.0)
     with torch.inference_mode():
         return hf.generate(
             ids,
             attention_mask=attention_mask,
-            do_sample=True,
-            temperature=temperature,
-            top_k=0,
-            top_p=1.0,
             max_new_tokens=num_new,
             min_new_tokens=num_new,
             pad_token_id=0,
+            **(sampling if temperature > 0 else dict(do_sample=False)),
         )
 
 

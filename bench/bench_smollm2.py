@@ -45,6 +45,8 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 import transformers  # noqa: E402
+from bench_sampler import check_parity, matmul_peak  # noqa: E402  (bench/ is the script's folder)
+from bench_sampler_turns import hf_sample, layer_matmul_params  # noqa: E402
 from flax import nnx  # noqa: E402
 
 from bpo_jax import learner  # noqa: E402
@@ -82,29 +84,9 @@ def cpu_name() -> str:
     return platform.processor() or platform.machine()
 
 
-def matmul_peak(n: int = 2048, repeats: int = 2) -> float:
-    """Best float32 FLOP/s of an n x n jnp matmul (the machine's practical peak)."""
-    a = jax.random.normal(jax.random.key(0), (n, n), jnp.float32)
-    f = jax.jit(lambda x: x @ x)
-    f(a).block_until_ready()
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        f(a).block_until_ready()
-        best = min(best, time.perf_counter() - start)
-    return 2 * n**3 / best
-
-
 def matmul_params(cfg) -> int:
     """Parameters of one token's matmuls: the decoder layers' projections and the LM head."""
-    d, h, k, e, f = (
-        cfg.hidden_size,
-        cfg.num_heads,
-        cfg.num_kv_heads,
-        cfg.resolved_head_dim,
-        cfg.intermediate_size,
-    )
-    return cfg.num_layers * (d * (h + 2 * k) * e + h * e * d + 3 * d * f) + d * cfg.vocab_size
+    return layer_matmul_params(cfg) + cfg.hidden_size * cfg.vocab_size
 
 
 def forward_flops(cfg, rows: int, start: int, tokens: int) -> float:
@@ -141,13 +123,7 @@ def main():
     rng = np.random.default_rng(0)
     # Ordinary vocabulary ids (the first ids are special tokens).
     prompts = rng.integers(100, cfg.vocab_size, (b, p), dtype=np.int64)
-    with torch.inference_mode():
-        ref = hf(torch.from_numpy(prompts[:2])).logits.numpy()
-    ours_logits = np.asarray(model(jnp.asarray(prompts[:2], jnp.int32))[0])
-    parity = float(np.abs(ours_logits - ref).max())
-    if parity > 1e-3:
-        raise SystemExit(f"Our model disagrees with HF on the same weights: max |dlogit| {parity}")
-    del ours_logits, ref
+    parity = check_parity(hf, model, prompts[:2])
 
     # ------------------------------------------------------------ (a) the turn
     sampler = Sampler(graphdef, eos_ids=(), pad_id=0, max_new_tokens=n, temperature=0.0)
@@ -168,15 +144,7 @@ def main():
         return (mid - start, end - mid), out.tokens, out.num_steps
 
     def hf_generate(num_new):
-        with torch.inference_mode():
-            return hf.generate(
-                input_ids,
-                attention_mask=attention_mask,
-                do_sample=False,
-                max_new_tokens=num_new,
-                min_new_tokens=num_new,
-                pad_token_id=0,
-            )
+        return hf_sample(hf, input_ids, attention_mask, num_new, temperature=0.0)
 
     def hf_turn():
         settle()

@@ -143,8 +143,13 @@ def test_config_is_read_from_the_checkpoint(case):
 # Tied and untied Qwen2 differ only in the head, which the cache does not touch.
 @pytest.mark.parametrize("case", ["qwen2_untied", "llama_gqa_rope_scaling"], indirect=True)
 def test_cached_decoding_matches_hf(case, tokens):
-    """Ragged prefill, a chunked append and single-token decoding, all through the KV cache."""
     _, _, cfg, model, want = case
+    check_cached_decoding(cfg, model, tokens, want)
+
+
+def check_cached_decoding(cfg, model, tokens, want) -> None:
+    """Ragged prefill, a chunked append and single-token decoding, all through the KV cache, give
+    the full forward's logits `want` (also Qwen3's test)."""
     cache = init_cache(cfg, BATCH, capacity=32)
     # Row 0 prefills 10 tokens; row 1 only 6, right-padded with junk that must not leak.
     prefill = tokens[:, :10].copy()

@@ -13,24 +13,15 @@ import pytest
 import torch
 import transformers
 from flax import nnx
-from test_hf_parity import ATOL, BATCH, LENGTH, _forward, _hf_logits, _step
+from test_hf_parity import _QWEN2, ATOL, BATCH, LENGTH, _forward, _hf_logits, check_cached_decoding
 
 from bpo_jax.models import config, hf_import
 from bpo_jax.models.factory import abstract_model
-from bpo_jax.models.llama import count_params, init_cache
+from bpo_jax.models.llama import count_params
 
-_SMALL = dict(
-    vocab_size=128,
-    hidden_size=64,
-    intermediate_size=96,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=16,  # Not hidden_size / heads: read from the config, as for Qwen3-0.6B and 4B.
-    rms_norm_eps=1e-6,
-    max_position_embeddings=64,
-    rope_theta=10_000.0,
-)
+# The Qwen2 parity sizes, with head_dim 16: not hidden_size / heads, so read from the config, as
+# for Qwen3-0.6B and 4B.
+_SMALL = dict(_QWEN2, head_dim=16, rope_theta=10_000.0)
 CASES = {"qwen3_tied": True, "qwen3_untied": False}
 
 # The HF checkpoints' config.json numbers (Qwen/Qwen3-*): (hidden, intermediate, layers,
@@ -94,19 +85,8 @@ def test_the_norms_matter(case, tokens):
 
 @pytest.mark.parametrize("case", ["qwen3_untied"], indirect=True)
 def test_cached_decoding_matches_hf(case, tokens):
-    """Ragged prefill, then single-token decoding through the KV cache."""
     _, _, cfg, model, want = case
-    cache = init_cache(cfg, BATCH, capacity=32)
-    prefill = tokens[:, :10].copy()
-    prefill[1, 6:] = 127
-    logits, cache = _step(model, jnp.asarray(prefill), cache, jnp.asarray([10, 6]))
-    np.testing.assert_allclose(np.asarray(logits[0]), want[0, :10], atol=ATOL, rtol=0)
-    np.testing.assert_allclose(np.asarray(logits[1, :6]), want[1, :6], atol=ATOL, rtol=0)
-    for i in range(3):
-        pair = np.array([[tokens[0, 10 + i]], [tokens[1, 6 + i]]])
-        logits, cache = _step(model, jnp.asarray(pair), cache, jnp.asarray([1, 1]))
-        np.testing.assert_allclose(np.asarray(logits[0, 0]), want[0, 10 + i], atol=ATOL, rtol=0)
-        np.testing.assert_allclose(np.asarray(logits[1, 0]), want[1, 6 + i], atol=ATOL, rtol=0)
+    check_cached_decoding(cfg, model, tokens, want)
 
 
 def test_export_inverts_import(case):

@@ -191,6 +191,7 @@ def make_policy(cfg: ExperimentConfig, graphdef, params, tokenizer, mcfg, mesh=N
         temperature=cfg.sampler.temperature,
         top_p=cfg.sampler.top_p,
         length_bucket=cfg.sampler.length_bucket,
+        prefill_chunk=cfg.sampler.prefill_chunk,
         mesh=_sampler_mesh(cfg, mesh),
         prefix_reuse=cfg.sampler.prefix_reuse,
         slice_wide=cfg.mesh.sampler == "slice",

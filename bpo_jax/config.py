@@ -201,6 +201,17 @@ class SamplerSpec(Spec):
     # Prompts continue the contexts of the previous turn's (bpo_jax/sampler/prefixes.py): the
     # same tokens up to float rounding, less prefill work. Not with mesh.sampler="slice".
     prefix_reuse: bool = check(lambda v: isinstance(v, bool), "must be True or False", default=True)
+    # A prefill runs at most this many prompt columns at a time (0: the whole prompt at once),
+    # a multiple of length_bucket: bounds its activations at a large rollout batch.
+    prefill_chunk: int = check(lambda v: v >= 0, "must be >= 0", default=0)
+
+    def _check_fields(self):
+        if self.prefill_chunk % self.length_bucket:
+            self._fail(
+                "prefill_chunk",
+                self.prefill_chunk,
+                f"must be 0 or a multiple of sampler.length_bucket ({self.length_bucket})",
+            )
 
 
 @dataclasses.dataclass(frozen=True)

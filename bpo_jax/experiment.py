@@ -158,6 +158,9 @@ def base_config(
     c.sampler.length_bucket = 64
     # Each turn's prompts continue the previous turn's contexts (bpo_jax/sampler/prefixes.py).
     c.sampler.prefix_reuse = True
+    # Prompt columns a prefill runs at a time (0: all; a multiple of length_bucket). Bounds the
+    # prefill's activations: `python -m bpo_jax.compile` says which chunk fits a slice.
+    c.sampler.prefill_chunk = 0
 
     # Behaviour cloning from expert demos (starts the tiny policy; off for 7B/8B).
     c.bc = ml_collections.ConfigDict()

@@ -1,6 +1,8 @@
 """The compile tool's modes beyond the default report: a program that does not fit, the sampler
 as a multi-host run places it (`--sampler=host`), and the prefill's attention bound."""
 
+import dataclasses
+
 import pytest
 from helpers import compile_report
 from libtpu_fixtures import require_libtpu
@@ -30,6 +32,74 @@ def test_a_program_xla_refuses_is_reported_as_not_fitting():
         "programs": {"prefill": p},
     }
     assert "prefill  does NOT fit: RESOURCE_EXHAUSTED" in compile_tool.format_report(report)
+
+
+def _report(programs: dict) -> dict:
+    return {
+        "num_slices": 1,
+        "topology": "v5litepod-8",
+        "chips": 8,
+        "hbm_bytes_per_chip": 16 << 30,
+        "mesh": {"data": 1, "fsdp": 8, "tensor": 1},
+        "programs": programs,
+    }
+
+
+def _fits_below(field: str, limit: int):
+    """A stand-in for a compile: fits when the config's `field` is at most `limit`, with bytes
+    that grow with it (the search's own logic is what these tests check; the real compiles are
+    in bench/results/compile_alfworld_qwen3_8b_lora16_v5litepod-8_fit.json)."""
+    calls = []
+
+    def compile_at(cfg):
+        section, name = field.split(".")
+        value = getattr(getattr(cfg, section), name)
+        calls.append(value)
+        return {
+            "fits": value <= limit,
+            "argument_bytes": value << 23,
+            "temp_bytes": value << 23,
+            "total_bytes": value << 24,
+            "flops": 1e12,
+            "model_flops": 1e12,
+            "bytes_accessed": 1e9,
+            "roofline_seconds": 1.0,
+        }
+
+    return compile_at, calls
+
+
+def test_fit_search_halves_the_microbatch_and_the_prefill_chunk_until_they_fit():
+    cfg = compile_tool.validate_for_compile(
+        load_experiment("experiments/alfworld.py").get_config("model=qwen3_8b")
+    )
+    t = cfg.train
+    first = compile_tool.out_of_memory(RuntimeError(XLA_OOM), 1e12)
+    compile_at, calls = _fits_below("train.microbatch_size", 16)
+    p = compile_tool.fit_search("update", cfg, first, compile_at, row_devices=8)
+    assert calls == [t.microbatch_size // 2, t.microbatch_size // 4] == [32, 16]
+    assert p["fits"] and p["setting"] == {"train.microbatch_size": 16}
+    assert [x["setting"]["train.microbatch_size"] for x in p["tried"]] == [64, 32]
+    text = compile_tool.format_report(_report({"update": p}))
+    assert "update: fits at --config.train.microbatch_size=16 (tried " in text
+    assert "train.microbatch_size=64: does NOT fit, 18.21 GiB of temporaries" in text
+    assert text.splitlines()[-1] == "fits with --config.train.microbatch_size=16"
+    # Never below the devices the rows split over, nor to a size that does not divide the
+    # minibatch: nothing fits, and the first report comes back with what was tried.
+    compile_at, calls = _fits_below("train.microbatch_size", 4)
+    p = compile_tool.fit_search("update", cfg, first, compile_at, row_devices=8)
+    assert calls == [32, 16, 8] and not p["fits"] and "setting" not in p
+    assert "update: no halving fits (tried" in compile_tool.format_report(_report({"update": p}))
+    # The prefill: the chunk halves from the whole (bucketed) prompt, in length buckets.
+    prompt = compile_tool.prefill_width(cfg)
+    assert prompt == 2048 and compile_tool.prefill_calls(cfg) == 1
+    compile_at, calls = _fits_below("sampler.prefill_chunk", 512)
+    p = compile_tool.fit_search("prefill", cfg, first, compile_at)
+    assert calls == [1024, 512] and p["setting"] == {"sampler.prefill_chunk": 512}
+    chunked = dataclasses.replace(cfg, sampler=dataclasses.replace(cfg.sampler, prefill_chunk=512))
+    assert compile_tool.prefill_width(chunked) == 512 and compile_tool.prefill_calls(chunked) == 4
+    # The decode's rows and cache are the experiment's: nothing to halve.
+    assert compile_tool.fit_search("decode", cfg, first, compile_at)["tried"] == []
 
 
 def test_rollout_rows_per_host_are_the_host_s_share_of_the_tasks():

@@ -120,6 +120,9 @@ def test_specs_are_frozen_and_check_on_replace():
         v.train.lr = 1.0
     with pytest.raises(ValueError, match="config.train.lr must be > 0"):
         dataclasses.replace(v.train, lr=0.0)
+    with pytest.raises(ValueError, match=r"config.sampler.prefill_chunk must be 0 or a multiple"):
+        dataclasses.replace(v.sampler, prefill_chunk=v.sampler.length_bucket + 1)
+    assert dataclasses.replace(v.sampler, prefill_chunk=2 * v.sampler.length_bucket)
 
 
 def test_random_init_presets_need_no_checkpoint_and_the_others_do():

@@ -179,6 +179,45 @@ def test_multi_turn_append_matches_prefill_from_scratch(setup):
         np.testing.assert_array_equal(st.host_lengths, np.asarray(st.cache.lengths))
 
 
+def test_chunked_prefill_matches_one_prefill(setup):
+    """`prefill_chunk` runs a prompt's columns a chunk at a time: the same contexts (cache
+    lengths, next-token logits, sampled tokens) as one prefill, for ragged rows (one ends in the
+    first chunk and runs nothing after it, one has no tokens), a second turn after cached
+    contexts, and `prefill_and_copy`."""
+    graphdef, params, whole, _ = setup
+    chunked = sampler_lib.Sampler(
+        graphdef,
+        eos_ids=(),
+        pad_id=0,
+        max_new_tokens=NEW,
+        temperature=0.7,
+        length_bucket=BUCKET,
+        prefill_chunk=BUCKET,
+    )
+    turn_a = prompts([40, 9, 0, 33], seed=5)
+    turn_b = prompts([17, 3, 21, 0], seed=6)
+    key = jax.random.key(3)
+    outs = []
+    for sampler in (whole, chunked):
+        state = sampler.prefill(params, fresh_cache(4), turn_a)
+        first = sampler.generate(params, state, key)
+        state, copy = sampler.prefill_and_copy(params, first.state, turn_b)
+        # Host copies first: `generate` donates the state's buffers.
+        seen = [(np.asarray(s.last_logits), np.asarray(s.cache.lengths)) for s in (state, copy)]
+        outs.append((seen, state.prefilled_b, sampler.generate(params, state, key)))
+    (w_seen, w_prefilled, w_out), (c_seen, c_prefilled, c_out) = outs
+    for (w_logits, w_lengths), (c_logits, c_lengths) in zip(w_seen, c_seen):
+        np.testing.assert_allclose(c_logits, w_logits, atol=ATOL)
+        np.testing.assert_array_equal(c_lengths, w_lengths)
+    assert c_prefilled.tolist() == w_prefilled.tolist() == [17, 3, 21, 0]
+    np.testing.assert_array_equal(c_out.tokens, w_out.tokens)
+    np.testing.assert_allclose(c_out.logprobs, w_out.logprobs, atol=ATOL)
+    with pytest.raises(ValueError, match="prefill_chunk"):
+        sampler_lib.Sampler(
+            graphdef, eos_ids=(), pad_id=0, max_new_tokens=4, length_bucket=16, prefill_chunk=24
+        )
+
+
 def test_forked_row_continues_like_original_with_same_key(setup):
     _, params, sampler, _ = setup
     state = sampler.prefill(params, fresh_cache(4), prompts([6, 14, 25, 2], seed=3))

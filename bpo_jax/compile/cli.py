@@ -32,6 +32,7 @@ class Arguments:
     prefill_bound: str
     turn_prefix: int | None
     json: str | None
+    fit: bool = True
 
 
 def _flags(argv: Sequence[str]) -> flags.FlagValues:
@@ -74,6 +75,14 @@ def _flags(argv: Sequence[str]) -> flags.FlagValues:
         "block, a program no run executes; reports before 2026-12-02 used it).",
         flag_values=flags_,
     )
+    flags.DEFINE_bool(
+        "fit",
+        True,
+        "Where the update or the prefill does not fit, compile it again at half the "
+        "microbatch (train.microbatch_size) or half the prefill chunk (sampler.prefill_chunk) "
+        "until it fits, and say which setting does (--nofit: report the config's own only).",
+        flag_values=flags_,
+    )
     return flags_
 
 
@@ -112,11 +121,13 @@ def parse_arguments(argv: Sequence[str], flags_: flags.FlagValues | None = None)
         flags_.prefill_bound,
         flags_.turn_prefix,
         flags_.json,
+        flags_.fit,
     )
 
 
 def run(args: Arguments) -> int:
-    """Compiles and reports: 0 when every program fits, else 1."""
+    """Compiles and reports: 0 when every program fits (with `fit`: at the config's setting or
+    at the one the report gives), else 1."""
     report = compile_report(
         args.cfg,
         args.topology,
@@ -125,6 +136,7 @@ def run(args: Arguments) -> int:
         sampler=args.sampler,
         prefill_bound=args.prefill_bound,
         turn_prefix=args.turn_prefix,
+        fit=args.fit,
     )
     print(format_report(report))
     if args.json:

@@ -153,6 +153,20 @@ def rollout_rows(cfg, hosts: int | None = None) -> int:
     return -(-t.tasks_per_iter // shares) * t.group_size
 
 
+def prefill_width(cfg) -> int:
+    """Columns of one prefill call of a whole prompt: the longest prompt rounded up to the length
+    bucket, or `sampler.prefill_chunk` when that is shorter (the prompt then runs in chunks)."""
+    prompt = learner.round_up(cfg.agent.max_prompt_tokens, cfg.sampler.length_bucket)
+    chunk = cfg.sampler.prefill_chunk
+    return min(prompt, chunk) if chunk else prompt
+
+
+def prefill_calls(cfg) -> int:
+    """Prefill calls of the longest prompt: 1, or its chunks with `sampler.prefill_chunk`."""
+    prompt = learner.round_up(cfg.agent.max_prompt_tokens, cfg.sampler.length_bucket)
+    return -(-prompt // prefill_width(cfg))
+
+
 def turn_shape(cfg, prefix: int | None = None) -> tuple[int, int]:
     """(cached prefix, new tokens) of a later turn's prefill with prefix reuse (`suffix`).
 
@@ -201,7 +215,7 @@ def lower_sampler(
     cache = abstract_cache(mcfg, rows, capacity, mesh)
     row_mesh = mesh if rows % mesh.shape["data"] == 0 and mesh.shape["data"] > 1 else None
     last = _abstract((rows, mcfg.vocab_size), jnp.float32, mesh, ("batch", "vocab"))
-    prompt = learner.round_up(cfg.agent.max_prompt_tokens, cfg.sampler.length_bucket)
+    prompt = prefill_width(cfg)
     tokens = _abstract((rows, prompt), jnp.int32, mesh, ("batch", "length"))
     num_new = _abstract((rows,), jnp.int32, mesh, ("batch",))
     prefill = programs.prefill_program(graphdef, row_mesh, donate=True)

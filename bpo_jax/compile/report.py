@@ -6,6 +6,7 @@ bytes, FLOPs and bytes accessed; `format_report` prints the report as a table.
 
 from __future__ import annotations
 
+import dataclasses
 import re
 import sys
 import time
@@ -22,11 +23,14 @@ from bpo_jax.compile.programs import (
     lower_sampler,
     lower_update,
     model_config_of,
+    prefill_calls,
+    prefill_width,
     rollout_rows,
     turn_shape,
     update_length,
 )
 from bpo_jax.compile.topology import GiB, Slice, parse_topology, topology_devices
+from bpo_jax.learner.host import batch_devices
 from bpo_jax.models import sharding
 
 
@@ -145,8 +149,14 @@ def compile_report(
     sampler: str = "slice",
     prefill_bound: str = "capacity",
     turn_prefix: int | None = None,
+    fit: bool = False,
 ) -> dict:
     """Compiles the named programs of `cfg` for `num_slices` slices; returns the JSON report.
+
+    `fit`: where the update or the prefill does not fit, compile it again at half the
+    microbatch (`train.microbatch_size`: gradient accumulation, the same update) or half the
+    prefill chunk (`sampler.prefill_chunk`: the same contexts), until it fits or cannot be
+    halved (`fit_search`); the report gives the setting that fits and what was tried.
 
     With several slices (gcloud's multislice: `num_slices` slices of `accelerator_type`) the
     mesh's data axis spans them over DCN (`sharding.make_mesh`); the roofline does not model
@@ -206,11 +216,12 @@ def compile_report(
                 )
         seconds["lower"] = time.perf_counter() - start
         _progress(f"lowered {', '.join(lowered)} in {seconds['lower']:.0f} s")
-        for name in programs_:
-            trips = cfg.agent.max_action_tokens if name == "decode" else 1
+
+        def compiled_report(name, cfg_, lowered_):
             on_sampler = name != "update"
+            trips = {"decode": cfg_.agent.max_action_tokens, "prefill": prefill_calls(cfg_)}
             flops = model_flops(
-                cfg,
+                cfg_,
                 mcfg,
                 name,
                 sampler_mesh.size if on_sampler else chips,
@@ -219,22 +230,44 @@ def compile_report(
             )
             start = time.perf_counter()
             try:
-                compiled = lowered[name].compile()
+                compiled = lowered_.compile()
             except jax.errors.JaxRuntimeError as e:
                 if "RESOURCE_EXHAUSTED" not in str(e):
                     raise
-                seconds[name] = time.perf_counter() - start
+                seconds[name] = seconds.get(name, 0.0) + time.perf_counter() - start
                 _progress(f"{name} does not fit ({seconds[name]:.0f} s): {_first_line(e)}")
-                out[name] = out_of_memory(e, flops)
-                continue
-            seconds[name] = time.perf_counter() - start
+                return out_of_memory(e, flops)
+            seconds[name] = seconds.get(name, 0.0) + time.perf_counter() - start
             _progress(f"compiled {name} in {seconds[name]:.0f} s")
-            out[name] = analyse(compiled, s, flops, trips)
+            p = analyse(compiled, s, flops, trips.get(name, 1))
             if sampler == "host" and on_sampler:
-                p = out[name]
                 p["resident_bytes"] = resident
                 p["total_bytes"] += resident
                 p["fits"] = p["total_bytes"] <= s.chip.hbm_bytes
+            return p
+
+        def lower_at(name, cfg_):
+            if name == "update":
+                return lower_update(cfg_, mcfg, mesh)
+            with jax.set_mesh(sampler_mesh):
+                return lower_sampler(
+                    cfg_, mcfg, sampler_mesh, rows, prefill_bound, turn_prefix, [name]
+                )[name]
+
+        for name in programs_:
+            out[name] = compiled_report(name, cfg, lowered[name])
+            if name == "prefill" and cfg.sampler.prefill_chunk:
+                out[name]["prefill_chunk"] = prefill_width(cfg)
+            if fit and not out[name]["fits"]:
+                out[name] = fit_search(
+                    name,
+                    cfg,
+                    out[name],
+                    lambda c, n=name: compiled_report(n, c, lower_at(n, c)),
+                    batch_devices(mesh, cfg),
+                )
+                if "setting" in out[name]:
+                    _progress(f"{name} fits with {_overrides(out[name]['setting'])}")
     report = {
         "topology": accelerator_type,
         "num_slices": num_slices,
@@ -264,6 +297,74 @@ def compile_report(
             "resident_bytes": resident,
         }
     return report
+
+
+def fit_search(name: str, cfg, first: dict, compile_at, row_devices: int = 1) -> dict:
+    """The first halving of the update's microbatch or the prefill's chunk at which `name`
+    fits, by `compile_at(cfg)` (a report); `first` is its report at `cfg`'s own setting.
+
+    Returns the fitting report with `setting` (the config fields that make it fit) and `tried`
+    (each setting before it: its per-chip bytes or XLA's refusal), or `first` with `tried`
+    when nothing halves to a fit. A microbatch stays a divisor of the minibatch and at least
+    the `row_devices` its rows split over; a chunk stays a multiple of `sampler.length_bucket`.
+    """
+    tried = []
+
+    def attempt(setting: dict, report: dict) -> None:
+        tried.append(
+            {
+                "setting": setting,
+                "fits": report["fits"],
+                "total_bytes": report.get("total_bytes"),
+                "temp_bytes": report.get("temp_bytes"),
+            }
+        )
+
+    t, sp = cfg.train, cfg.sampler
+    if name == "update":
+        field, current = "train.microbatch_size", t.microbatch_size or t.minibatch_size
+        floor = row_devices
+        ok = lambda n: n >= floor and t.minibatch_size % n == 0  # noqa: E731
+        apply = lambda n: dataclasses.replace(  # noqa: E731
+            cfg, train=dataclasses.replace(t, microbatch_size=n)
+        )
+    elif name == "prefill":
+        field, current = "sampler.prefill_chunk", prefill_width(cfg)
+        ok = lambda n: n >= sp.length_bucket and n % sp.length_bucket == 0  # noqa: E731
+        apply = lambda n: dataclasses.replace(  # noqa: E731
+            cfg, sampler=dataclasses.replace(sp, prefill_chunk=n)
+        )
+    else:
+        return {**first, "tried": []}  # Its rows and cache are the experiment's own.
+    attempt({field: current}, first)
+    n = current // 2
+    while ok(n):
+        report = compile_at(apply(n))
+        if report["fits"]:
+            return {**report, "setting": {field: n}, "tried": tried}
+        attempt({field: n}, report)
+        n //= 2
+    return {**first, "tried": tried}
+
+
+def _tried(p: dict) -> str:
+    """What `fit_search` tried before the setting that fits (or that nothing fit)."""
+    parts = []
+    for t in p["tried"]:
+        ((field, value),) = t["setting"].items()
+        if t["total_bytes"] is not None:
+            size = f"{t['total_bytes'] / GiB:.2f} GiB"
+        elif t["temp_bytes"] is not None:
+            size = f"does NOT fit, {t['temp_bytes'] / GiB:.2f} GiB of temporaries"
+        else:
+            size = "does NOT fit"
+        parts.append(f"{field}={value}: {size}")
+    head = f"fits at {_overrides(p['setting'])}" if "setting" in p else "no halving fits"
+    return f"{head} (tried {'; '.join(parts)})"
+
+
+def _overrides(setting: dict) -> str:
+    return " ".join(f"--config.{k}={v}" for k, v in setting.items())
 
 
 def _progress(message: str) -> None:
@@ -298,6 +399,13 @@ def format_report(report: dict) -> str:
             f"{p['bytes_accessed'] / 1e9:>12.2f} "
             f"{p['roofline_seconds']:>11.4f}"
         )
+    settings = {}
+    for name, p in report["programs"].items():
+        if p.get("tried"):
+            lines.append(f"  {name}: {_tried(p)}")
+        settings |= p.get("setting", {})
+    if settings:
+        lines.append(f"fits with {_overrides(settings)}")
     if "turn" in report:
         t = report["turn"]
         line = (

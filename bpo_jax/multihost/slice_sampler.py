@@ -121,8 +121,14 @@ class SliceSampler:
             device=named_sharding(self.mesh, ("batch", None), (batch, vocab)),
         )
         # A fresh cache: every row starts at 0, the bound `Sampler.prefill` passes for it.
-        cache, last_bv = self.sampler.prefill_fn(row_mesh(cache))(
-            self.policy.params, cache, last_bv, tokens_bt, num_new_b, offset_bound=0
+        cache, last_bv = self.sampler.run_prefill(
+            self.policy.params,
+            cache,
+            last_bv,
+            tokens_bt,
+            num_new_b,
+            np.zeros_like(num_new_b),
+            keep=False,
         )
         # Every row's cached length is known on every host: the prompts' lengths.
         state = PrefillState(cache, last_bv, num_new_b, tokens_bt.shape[1], num_new_b.copy())

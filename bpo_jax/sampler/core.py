@@ -83,6 +83,7 @@ class Sampler:
         temperature: float = 1.0,
         top_p: float = 1.0,
         length_bucket: int | str = 64,
+        prefill_chunk: int = 0,
         donate: bool = True,
     ):
         """Builds the sampler.
@@ -97,6 +98,9 @@ class Sampler:
           top_p: default nucleus mass in (0, 1]; 1 disables truncation.
           length_bucket: prefill lengths are padded to a multiple of this int, or to the next
             power of two with "pow2".
+          prefill_chunk: run a prefill's tokens this many columns at a time (0: all at once),
+            a multiple of an int `length_bucket`; bounds the prefill's activations on a large
+            batch of long prompts (`run_prefill`).
           donate: let prefill/generate reuse the given cache's buffers in place.
         """
         if isinstance(model_or_graphdef, nnx.Module):
@@ -112,6 +116,14 @@ class Sampler:
         self.top_p = _check_top_p(top_p)
         bucket_length(1, length_bucket)  # validates
         self.length_bucket = length_bucket
+        if prefill_chunk < 0 or (
+            prefill_chunk and (not isinstance(length_bucket, int) or prefill_chunk % length_bucket)
+        ):
+            raise ValueError(
+                f"prefill_chunk must be 0 or a multiple of an int length_bucket "
+                f"({length_bucket!r}), got {prefill_chunk}."
+            )
+        self.prefill_chunk = int(prefill_chunk)
         self._donate = donate
         # Jitted programs per row mesh (None: one program over the whole batch).
         self._prefill_fns: dict[Mesh | None, object] = {}
@@ -188,14 +200,8 @@ class Sampler:
         if tokens_bt.shape[1] == 0:  # nothing to run
             out = PrefillState(cache, last_logits, num_new_b, 0, new_len_b)
             return (out, fork_rows(out, np.arange(batch))) if keep else out
-        result = self.prefill_fn(row_mesh(cache))(
-            params,
-            cache,
-            last_logits,
-            jnp.asarray(tokens_bt),
-            jnp.asarray(num_new_b),
-            offset_bound=offset_bucket(int(cache_len_b.max(initial=0)), cache.capacity),
-            keep=keep,
+        result = self.run_prefill(
+            params, cache, last_logits, tokens_bt, num_new_b, cache_len_b, keep=keep
         )
         (cache, last_logits), copy = result if keep else (result, None)
         out = PrefillState(cache, last_logits, num_new_b, tokens_bt.shape[1], new_len_b)
@@ -271,6 +277,38 @@ class Sampler:
         continued several ways without re-running its prefix; the original state stays valid.
         """
         return fork_rows(state, rows)
+
+    def run_prefill(self, params, cache, last_logits, tokens_bt, num_new_b, cache_len_b, *, keep):
+        """The prefill program on checked host arrays (`prefill`'s last step; public for the
+        slice-wide sampler): row b appends `num_new_b[b]` of `tokens_bt[b]` after its
+        `cache_len_b[b]` cached tokens.
+
+        With `prefill_chunk` the columns run `prefill_chunk` at a time, each chunk after the
+        ones before it (the cache's contexts grow as in a multi-turn prefill), so the program's
+        activations scale with the chunk, not the prompt; a row whose tokens ended in an earlier
+        chunk runs none and keeps its last logits. Returns what the program returns: (cache,
+        last logits), and with `keep` a copy of them made by the last chunk's program.
+        """
+        width = tokens_bt.shape[1]
+        chunk = self.prefill_chunk or width
+        starts = list(range(0, int(num_new_b.max(initial=0)) or 1, chunk))
+        fn = self.prefill_fn(row_mesh(cache))
+        for i, start in enumerate(starts):
+            part = tokens_bt[:, start : start + chunk]
+            n_b = np.clip(num_new_b - start, 0, part.shape[1]).astype(np.int32)
+            cached_b = cache_len_b + np.minimum(num_new_b, start)
+            result = fn(
+                params,
+                cache,
+                last_logits,
+                jnp.asarray(part),
+                jnp.asarray(n_b),
+                offset_bound=offset_bucket(int(cached_b.max(initial=0)), cache.capacity),
+                keep=keep and i == len(starts) - 1,
+            )
+            if i < len(starts) - 1:
+                cache, last_logits = result
+        return result
 
     # ------------------------------------------------------------------ jitted programs
 

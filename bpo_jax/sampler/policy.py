@@ -128,6 +128,7 @@ class Policy:
         temperature: float = 1.0,
         top_p: float = 1.0,
         length_bucket: int = 64,
+        prefill_chunk: int = 0,
         mesh: Mesh | None = None,
         prefix_reuse: bool = True,
         slice_wide: bool = False,
@@ -148,6 +149,7 @@ class Policy:
             temperature=temperature,
             top_p=top_p,
             length_bucket=length_bucket,
+            prefill_chunk=prefill_chunk,
         )
         self.model_cfg = model_cfg
         self.prefixes = None

@@ -220,6 +220,9 @@ def compile_report(
         def compiled_report(name, cfg_, lowered_):
             on_sampler = name != "update"
             trips = {"decode": cfg_.agent.max_action_tokens, "prefill": prefill_calls(cfg_)}
+            # The prefill's columns per call, where a prompt runs in chunks.
+            chunked = name == "prefill" and cfg_.sampler.prefill_chunk
+            chunk = {"prefill_chunk": prefill_width(cfg_)} if chunked else {}
             flops = model_flops(
                 cfg_,
                 mcfg,
@@ -236,10 +239,10 @@ def compile_report(
                     raise
                 seconds[name] = seconds.get(name, 0.0) + time.perf_counter() - start
                 _progress(f"{name} does not fit ({seconds[name]:.0f} s): {_first_line(e)}")
-                return out_of_memory(e, flops)
+                return out_of_memory(e, flops) | chunk
             seconds[name] = seconds.get(name, 0.0) + time.perf_counter() - start
             _progress(f"compiled {name} in {seconds[name]:.0f} s")
-            p = analyse(compiled, s, flops, trips.get(name, 1))
+            p = analyse(compiled, s, flops, trips.get(name, 1)) | chunk
             if sampler == "host" and on_sampler:
                 p["resident_bytes"] = resident
                 p["total_bytes"] += resident
@@ -256,8 +259,6 @@ def compile_report(
 
         for name in programs_:
             out[name] = compiled_report(name, cfg, lowered[name])
-            if name == "prefill" and cfg.sampler.prefill_chunk:
-                out[name]["prefill_chunk"] = prefill_width(cfg)
             if fit and not out[name]["fits"]:
                 out[name] = fit_search(
                     name,

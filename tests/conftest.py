@@ -47,3 +47,17 @@ for _name in (
     "hf_smollm_tokenizer",
 ):
     globals()[_name] = pytest.fixture(scope="session", name=_name)(getattr(gguf_fixtures, _name))
+
+
+# Modules whose tests drive the one Docker daemon: they build and remove the same images and
+# check that no container or image is left, so they must not run beside each other.
+_DOCKER_MODULES = {"test_swe_docker.py", "test_swe_hacks.py", "test_swe_history.py"}
+
+
+def pytest_collection_modifyitems(config, items):
+    """Groups for pytest-xdist's `--dist loadgroup` (scripts/test.sh): a module's tests in one
+    worker (its module fixtures built once), and the Docker modules' tests all in one."""
+    for item in items:
+        module = item.nodeid.split("::")[0].rsplit("/", 1)[-1]
+        group = "docker" if module in _DOCKER_MODULES else module
+        item.add_marker(pytest.mark.xdist_group(group))

@@ -1,6 +1,7 @@
 """Shared pytest setup."""
 
 import atexit
+import fcntl
 import os
 import shutil
 import tempfile
@@ -54,10 +55,19 @@ for _name in (
 _DOCKER_MODULES = {"test_swe_docker.py", "test_swe_hacks.py", "test_swe_history.py"}
 
 
-def pytest_collection_modifyitems(config, items):
-    """Groups for pytest-xdist's `--dist loadgroup` (scripts/test.sh): a module's tests in one
-    worker (its module fixtures built once), and the Docker modules' tests all in one."""
-    for item in items:
-        module = item.nodeid.split("::")[0].rsplit("/", 1)[-1]
-        group = "docker" if module in _DOCKER_MODULES else module
-        item.add_marker(pytest.mark.xdist_group(group))
+@pytest.fixture(scope="module", autouse=True)
+def _one_docker_module_at_a_time(request):
+    """Under pytest-xdist (scripts/test.sh runs a module per worker, `--dist loadscope`) a
+    Docker module waits for the lock while another one runs, in this or another pytest process.
+    (`--dist loadgroup` would group them, but with pytest 9.2 xdist 3.8's groups do not apply:
+    it renames `item._nodeid`, which pytest no longer reads.)"""
+    if Path(str(request.path)).name not in _DOCKER_MODULES:
+        yield
+        return
+    lock = Path(tempfile.gettempdir()) / "bpo_jax_docker_tests.lock"
+    with open(lock, "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)

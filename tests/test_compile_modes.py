@@ -98,6 +98,11 @@ def test_fit_search_halves_the_microbatch_and_the_prefill_chunk_until_they_fit()
     assert calls == [1024, 512] and p["setting"] == {"sampler.prefill_chunk": 512}
     chunked = dataclasses.replace(cfg, sampler=dataclasses.replace(cfg.sampler, prefill_chunk=512))
     assert compile_tool.prefill_width(chunked) == 512 and compile_tool.prefill_calls(chunked) == 4
+    # A prompt of 1,600 columns (25 buckets of 64): the chunks stay whole buckets (768, 384).
+    odd = dataclasses.replace(cfg, agent=dataclasses.replace(cfg.agent, max_prompt_tokens=1600))
+    compile_at, calls = _fits_below("sampler.prefill_chunk", 512)
+    p = compile_tool.fit_search("prefill", odd, first, compile_at)
+    assert calls == [768, 384] and p["setting"] == {"sampler.prefill_chunk": 384}
     # The decode's rows and cache are the experiment's: nothing to halve.
     assert compile_tool.fit_search("decode", cfg, first, compile_at)["tried"] == []
 

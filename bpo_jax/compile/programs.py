@@ -225,6 +225,7 @@ def lower_sampler(
         out["prefill"] = prefill.lower(params, cache, last, tokens, num_new, offset_bound=bound)
     if "suffix" in programs_:
         prefix, new = turn_shape(cfg, turn_prefix)
+        new = min(new, cfg.sampler.prefill_chunk or new)  # A chunk of it, as the sampler runs it.
         suffix = _abstract((rows, new), jnp.int32, mesh, ("batch", "length"))
         bound = offset_bucket(prefix, capacity)
         out["suffix"] = prefill.lower(params, cache, last, suffix, num_new, offset_bound=bound)

@@ -219,7 +219,12 @@ def compile_report(
 
         def compiled_report(name, cfg_, lowered_):
             on_sampler = name != "update"
-            trips = {"decode": cfg_.agent.max_action_tokens, "prefill": prefill_calls(cfg_)}
+            new = turn_shape(cfg_, turn_prefix)[1] if name == "suffix" else 0
+            trips = {
+                "decode": cfg_.agent.max_action_tokens,
+                "prefill": prefill_calls(cfg_),
+                "suffix": -(-new // (cfg_.sampler.prefill_chunk or new or 1)),
+            }
             # The prefill's columns per call, where a prompt runs in chunks.
             chunked = name == "prefill" and cfg_.sampler.prefill_chunk
             chunk = {"prefill_chunk": prefill_width(cfg_)} if chunked else {}
@@ -301,8 +306,9 @@ def compile_report(
 
 
 def fit_search(name: str, cfg, first: dict, compile_at, row_devices: int = 1) -> dict:
-    """The first halving of the update's microbatch or the prefill's chunk at which `name`
-    fits, by `compile_at(cfg)` (a report); `first` is its report at `cfg`'s own setting.
+    """The update's microbatch or the prefill's chunk at which `name` fits, by
+    `compile_at(cfg)` (a report), trying at each step the largest valid setting at most half
+    the last; `first` is its report at `cfg`'s own setting.
 
     Returns the fitting report with `setting` (the config fields that make it fit) and `tried`
     (each setting before it: its per-chip bytes or XLA's refusal), or `first` with `tried`
@@ -324,28 +330,35 @@ def fit_search(name: str, cfg, first: dict, compile_at, row_devices: int = 1) ->
     t, sp = cfg.train, cfg.sampler
     if name == "update":
         field, current = "train.microbatch_size", t.microbatch_size or t.minibatch_size
-        floor = row_devices
-        ok = lambda n: n >= floor and t.minibatch_size % n == 0  # noqa: E731
+        # Rows split evenly over the devices (else they are replicated: warn_if_rows_replicated)
+        # and microbatches that divide the minibatch.
+        valid = [
+            n
+            for n in range(current - 1, 0, -1)
+            if n % row_devices == 0 and t.minibatch_size % n == 0
+        ]
         apply = lambda n: dataclasses.replace(  # noqa: E731
             cfg, train=dataclasses.replace(t, microbatch_size=n)
         )
     elif name == "prefill":
         field, current = "sampler.prefill_chunk", prefill_width(cfg)
-        ok = lambda n: n >= sp.length_bucket and n % sp.length_bucket == 0  # noqa: E731
+        valid = list(range(current - sp.length_bucket, 0, -sp.length_bucket))
         apply = lambda n: dataclasses.replace(  # noqa: E731
             cfg, sampler=dataclasses.replace(sp, prefill_chunk=n)
         )
     else:
         return {**first, "tried": []}  # Its rows and cache are the experiment's own.
     attempt({field: current}, first)
-    n = current // 2
-    while ok(n):
-        report = compile_at(apply(n))
+    while True:
+        # The largest valid setting at most half the last one tried.
+        below = [n for n in valid if n <= current // 2]
+        if not below:
+            return {**first, "tried": tried}
+        current = below[0]
+        report = compile_at(apply(current))
         if report["fits"]:
-            return {**report, "setting": {field: n}, "tried": tried}
-        attempt({field: n}, report)
-        n //= 2
-    return {**first, "tried": tried}
+            return {**report, "setting": {field: current}, "tried": tried}
+        attempt({field: current}, report)
 
 
 def _tried(p: dict) -> str:

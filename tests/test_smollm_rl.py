@@ -175,3 +175,39 @@ def test_two_iterations_from_the_real_model(tmp_path, algo, gguf_params):
     change = _check_weights_moved(tmp_path, gguf_params, norms, steps=3)
     assert json.loads((tmp_path / "evals.json").read_text())["after_rl"]["eval/update_step"] == 3
     print(f"{line}; resumed third iteration {resume_seconds:.0f} s, weights moved by {change:.3e}")
+
+
+# About two minutes on 2 cores (its programs are the BPO case's plus the adapters').
+@pytest.mark.slow
+def test_two_iterations_with_lora_on_the_real_model(tmp_path):
+    """LoRA over the real weights (`model.lora.rank=8`): two GRPO iterations train the adapters
+    only, and the checkpoint holds them with the GGUF file named as their base. The base is
+    never saved; with no policy gradient (see the module's docstring) B stays exactly 0 and
+    AdamW's decay moves A alone."""
+    from bpo_jax.io.checkpoint import Checkpointer
+    from bpo_jax.io.metrics import read_metrics
+    from bpo_jax.train import train_and_evaluate
+
+    cfg = smollm_rl_config("grpo")
+    cfg.model.lora.rank = 8
+    cfg.model.lora.alpha = 16.0
+    summary = train_and_evaluate(cfg, tmp_path)
+    assert summary["iterations"] == 2 and summary["updates"] == 2
+    norms = [r["update/grad_norm"] for r in read_metrics(tmp_path) if "update/grad_norm" in r]
+    assert len(norms) == 2 and all(np.isfinite(norms)), norms
+    with Checkpointer(tmp_path / "checkpoints") as ckpt:
+        _, tree, meta = ckpt.restore()
+    assert meta["lora_base"] == "smollm2_135m_instruct"
+    saved = _flat(tree["train_state"]["params"])
+    assert saved and all("_lora_" in k for k in saved), sorted(saved)[:5]
+    a = {k: v for k, v in saved.items() if "_lora_a" in k}
+    b = {k: v for k, v in saved.items() if "_lora_b" in k}
+    assert len(a) == len(b) > 0
+    # Rank 8 on every projection of the first layer: a few thousand numbers a matrix, not the
+    # layer's 3.5M weights.
+    assert all(8 in v.shape for v in saved.values())
+    if max(norms) == 0:
+        assert all(not np.any(v) for v in b.values())
+    else:
+        assert any(np.any(v) for v in b.values())
+    assert all(np.any(v) for v in a.values())

@@ -207,11 +207,8 @@ class SamplerSpec(Spec):
 
     def _check_fields(self):
         if self.prefill_chunk % self.length_bucket:
-            self._fail(
-                "prefill_chunk",
-                self.prefill_chunk,
-                f"must be 0 or a multiple of sampler.length_bucket ({self.length_bucket})",
-            )
+            what = f"must be 0 or a multiple of sampler.length_bucket ({self.length_bucket})"
+            self._fail("prefill_chunk", self.prefill_chunk, what)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -128,16 +128,8 @@ def parse_arguments(argv: Sequence[str], flags_: flags.FlagValues | None = None)
 def run(args: Arguments) -> int:
     """Compiles and reports: 0 when every program fits (with `fit`: at the config's setting or
     at the one the report gives), else 1."""
-    report = compile_report(
-        args.cfg,
-        args.topology,
-        args.programs,
-        args.num_slices,
-        sampler=args.sampler,
-        prefill_bound=args.prefill_bound,
-        turn_prefix=args.turn_prefix,
-        fit=args.fit,
-    )
+    options = {k: getattr(args, k) for k in ("sampler", "prefill_bound", "turn_prefix", "fit")}
+    report = compile_report(args.cfg, args.topology, args.programs, args.num_slices, **options)
     print(format_report(report))
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=2))
